@@ -1,0 +1,249 @@
+"""Typed run configuration: dataclasses loaded from YAML (`safe_load`) plus `a.b=c` overrides.
+
+Every error is a `ConfigError` raised before any process starts; its message names the key and
+the fix. Plugin-specific options live under the plugin's own section (see `molt_config_sections`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "AgentConfig", "AlgorithmConfig", "CheckConfig", "Config", "ConfigError", "EngineConfig",
+    "ModelConfig", "RayConfig", "RolloutConfig", "SamplingConfig", "TrainerConfig",
+    "apply_overrides", "from_dict", "load_config", "to_dict",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported before anything starts."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""                       # local HF directory (config.json + weights + tokenizer)
+    dtype: str = "float32"               # float32 | bfloat16 (CPU: float32)
+
+
+@dataclass
+class SamplingConfig:
+    # Every knob is sent explicitly so a checkpoint's generation_config never changes sampling.
+    temperature: float = 1.0
+    top_k: int = 0                       # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 16
+
+
+@dataclass
+class EngineConfig:
+    name: str = "hf"
+    num_engines: int = 1
+    max_batch_size: int = 256            # requests decoded together in one batch
+    timeout_s: float = 300.0             # one generate call
+    cpus_per_engine: float = 0.0         # 0: do not reserve Ray CPUs (small CPU runs)
+
+
+@dataclass
+class TrainerConfig:
+    backend: str = "fsdp2"
+    num_ranks: int = 1
+    steps: int = 100
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0
+    micro_batch_size: int = 64           # sequences per forward/backward on one rank
+    logprob_chunk: int = 1024            # trainable tokens per lm_head chunk
+    timeout_s: float = 300.0             # collectives and trainer RPCs
+    weight_sync_bucket_mb: float = 64.0
+    weight_sync_timeout_s: float = 120.0
+
+
+@dataclass
+class AlgorithmConfig:
+    estimator: str = "grpo"
+    estimator_args: dict = field(default_factory=dict)
+    loss: str = "ppo_clip"
+    loss_args: dict = field(default_factory=dict)
+    loss_agg: str = "token-mean"         # token-mean | seq-mean-token-sum | seq-mean-token-mean
+
+
+@dataclass
+class RolloutConfig:
+    scheme: str = "sync"
+    groups_per_step: int = 8             # prompt groups in one training batch
+    group_size: int = 8                  # rollouts per prompt group
+    max_staleness: int = 0               # weight versions a trainable token may lag
+
+
+@dataclass
+class AgentConfig:
+    name: str = "gym"
+    args: dict = field(default_factory=dict)
+    timeout_s: float = 600.0             # one rollout
+
+
+@dataclass
+class CheckConfig:
+    consistency_every: int = 10          # steps between engine-vs-trainer log-prob checks (0: off)
+    consistency_tol: float = 1e-3        # max |engine - trainer| log-prob on on-policy tokens
+
+
+@dataclass
+class RayConfig:
+    address: str = ""                    # empty: start a local Ray
+    num_cpus: int = 0                    # local Ray only; 0 = all cores
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    check: CheckConfig = field(default_factory=CheckConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    seed: int = 0
+    name: str = "run"
+    out_dir: str = "runs"
+    plugins: dict = field(default_factory=dict)   # plugin sections: {section: dataclass instance}
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if tp is Any:
+        return True
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    tp = origin or tp
+    return isinstance(value, tp)
+
+
+def from_dict(cls: type, data: Any, where: str = "") -> Any:
+    """Build dataclass `cls` from a plain dict, rejecting unknown keys and wrong types."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name != "plugins"]
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in names:
+            raise ConfigError(f"unknown config key '{path}'; valid keys here: {', '.join(names)}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = from_dict(tp, value if value is not None else {}, path)
+        elif not _type_ok(value, tp):
+            want = getattr(tp, "__name__", str(tp))
+            raise ConfigError(f"config key '{path}' must be {want}, got {value!r} "
+                              f"({type(value).__name__})")
+        else:
+            kwargs[key] = float(value) if tp is float else value
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b=c` overrides to a raw config dict; values are parsed as YAML scalars."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override '{item}' is not of the form key=value (e.g. trainer.steps=50)")
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{item}': '{part}' is not a section")
+        node[parts[-1]] = yaml.safe_load(raw) if raw else ""
+    return data
+
+
+def load_config(path: str | Path | None, overrides: list[str] = (),
+                sections: dict[str, type] | None = None) -> Config:
+    """Load a recipe, apply overrides, build typed sections (core + plugin) and validate."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"recipe '{path}' does not exist")
+        with p.open() as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"recipe '{path}' must be a YAML mapping at top level")
+    data = apply_overrides(data, list(overrides))
+    sections = sections or {}
+    core_keys = {f.name for f in dataclasses.fields(Config)}
+    clash = core_keys & set(sections)
+    if clash:
+        raise ConfigError(f"plugin config sections {sorted(clash)} clash with core sections")
+    plugin_data = {k: data.pop(k) for k in list(data) if k in sections}
+    try:
+        cfg = from_dict(Config, data)
+    except ConfigError as e:
+        if "unknown config key" in str(e) and sections:
+            raise ConfigError(f"{e}; plugin sections: {', '.join(sorted(sections))}") from None
+        raise
+    cfg.plugins = {name: from_dict(cls, plugin_data.get(name, {}), name)
+                   for name, cls in sections.items()}
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Contradictions and impossible values; plugin-dependent checks live in `molt validate`."""
+    t, r, s = cfg.trainer, cfg.rollout, cfg.sampling
+    checks = [
+        (t.steps > 0, f"trainer.steps must be > 0 (got {t.steps})"),
+        (t.num_ranks >= 1, f"trainer.num_ranks must be >= 1 (got {t.num_ranks})"),
+        (t.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1"),
+        (t.lr > 0, f"trainer.lr must be > 0 (got {t.lr})"),
+        (r.groups_per_step >= 1, "rollout.groups_per_step must be >= 1"),
+        (r.group_size >= 1, "rollout.group_size must be >= 1"),
+        (r.max_staleness >= 0, "rollout.max_staleness must be >= 0"),
+        (s.temperature > 0, "sampling.temperature must be > 0 (use a small value for near-greedy)"),
+        (0 < s.top_p <= 1, "sampling.top_p must be in (0, 1]"),
+        (s.max_new_tokens >= 1, "sampling.max_new_tokens must be >= 1"),
+        (cfg.engine.num_engines >= 1, "engine.num_engines must be >= 1"),
+        (cfg.model.dtype in ("float32", "bfloat16", "float16"),
+         f"model.dtype must be float32, bfloat16 or float16 (got {cfg.model.dtype})"),
+        (cfg.algorithm.loss_agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+         f"algorithm.loss_agg '{cfg.algorithm.loss_agg}' unknown; valid: token-mean, "
+         "seq-mean-token-sum, seq-mean-token-mean"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
+    if not cfg.model.path:
+        raise ConfigError("model.path is missing: set it to a local HF model directory "
+                          "(make one with `molt tiny-model DIR`)")
+    if not (Path(cfg.model.path) / "config.json").is_file():
+        raise ConfigError(f"model.path '{cfg.model.path}' has no config.json: point it at a local "
+                          "HF model directory (make a tiny one with `molt tiny-model DIR`)")

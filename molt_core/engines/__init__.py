@@ -1,0 +1,1 @@
+"""Rollout engines: `hf` (embedded HF decode loop) and, later, `vllm`."""

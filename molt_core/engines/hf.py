@@ -1,0 +1,300 @@
+"""Embedded rollout engine: an HF causal LM and our own batched KV-cache decode loop.
+
+Our own loop (not `model.generate`) so that decoding can pause between steps, weights can be
+swapped under in-flight requests, and every sampled token is stamped with the weight version that
+sampled it. Works as a plain object inside asyncio and as a Ray async actor (`ray.remote(HFEngine)`).
+
+Requests wait in a queue; a background task takes a wave of requests with identical sampling
+parameters, left-pads and prefills them, then decodes step by step, yielding to the event loop
+between steps. Forward passes run on the event-loop thread, so `pause`/`update_weights` always
+land between two steps. After a weight update the wave's KV cache is recomputed (re-prefill of
+prompt + tokens so far) so each token's log-prob is exactly that of the weights that sampled it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
+
+from molt_core.trajectory import Completion
+
+__all__ = ["HFEngine", "SAMPLING_KEYS"]
+
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    sampling: dict[str, Any]
+    stop_ids: frozenset[int]
+    future: asyncio.Future
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def key(self) -> tuple:
+        return tuple(sorted(self.sampling.items())) + (tuple(sorted(self.stop_ids)),)
+
+
+class HFEngine:
+    """HF model + batched decode loop; see the module docstring."""
+
+    def __init__(self, model_path: str, *, dtype: str = "float32", max_batch_size: int = 256,
+                 seed: int = 0, num_threads: int = 1, device: str = "cpu") -> None:
+        torch.set_num_threads(num_threads)
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
+        self.model.requires_grad_(False)
+        config = AutoConfig.from_pretrained(model_path)
+        self.max_positions: int = config.max_position_embeddings
+        self.pad_id: int = config.pad_token_id if config.pad_token_id is not None else 0
+        self.default_stop_ids = frozenset(_eos_ids(model_path, config))
+        self.max_batch_size = max_batch_size
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # All names a sender may use (tied aliases included) -> the parameter they update.
+        self._params: dict[str, torch.nn.Parameter] = dict(
+            self.model.named_parameters(remove_duplicate=False))
+        self._canonical = {id(p): n for n, p in self.model.named_parameters()}
+        self._version = 0
+        self._weights_epoch = 0                 # bumps on every finished update
+        self._update_version: int | None = None  # set while an update is in progress
+        self._updated: set[int] = set()          # id() of parameters assigned in this update
+        self._paused = False
+        self._pending: list[_Request] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._stats = {"requests": 0, "tokens_generated": 0, "decode_steps": 0, "batches": 0,
+                       "prefills": 0, "prefill_tokens": 0, "weight_updates": 0}
+
+    async def generate(self, prompt_ids: list[int], sampling: dict) -> Completion:
+        sampling = dict(sampling)
+        stop = sampling.pop("stop_token_ids", None)
+        missing = [k for k in SAMPLING_KEYS if k not in sampling]
+        unknown = [k for k in sampling if k not in SAMPLING_KEYS]
+        if missing or unknown:
+            raise ValueError(f"sampling must give exactly {', '.join(SAMPLING_KEYS)} (+ optional "
+                             f"stop_token_ids); missing {missing}, unknown {unknown}")
+        if sampling["temperature"] <= 0:
+            raise ValueError(f"temperature must be > 0, got {sampling['temperature']}")
+        if sampling["max_new_tokens"] < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {sampling['max_new_tokens']}")
+        if not prompt_ids or len(prompt_ids) >= self.max_positions:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; it needs 1 to "
+                             f"{self.max_positions - 1} (max_position_embeddings {self.max_positions})")
+        self._bind_loop()
+        req = _Request([int(t) for t in prompt_ids], sampling,
+                       frozenset(stop) if stop is not None else self.default_stop_ids,
+                       asyncio.get_running_loop().create_future())
+        self._pending.append(req)
+        self._wakeup.set()
+        return await req.future
+
+    async def pause(self) -> None:
+        """Stop after the current decode step; in-flight requests keep their state."""
+        self._bind_loop()
+        self._paused = True
+        self._can_run.clear()
+
+    async def resume(self) -> None:
+        self._bind_loop()
+        self._paused = False
+        if self._update_version is None:
+            self._can_run.set()
+
+    async def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy one bucket into the model by HF name; decoding stays blocked until `finish_weight_update`."""
+        self._bind_loop()
+        if self._update_version is None:
+            self._update_version, self._updated = version, set()
+            self._can_run.clear()
+        elif version != self._update_version:
+            raise RuntimeError(f"weight bucket for version {version} arrived while the update to "
+                               f"version {self._update_version} is unfinished")
+        for name, tensor in named_tensors:
+            param = self._params.get(name)
+            if param is None:
+                raise ValueError(f"unknown parameter '{name}' in weight update to version {version}; "
+                               f"engine parameters: {', '.join(sorted(self._canonical.values()))}")
+            if tuple(tensor.shape) != tuple(param.shape) or tensor.dtype != param.dtype:
+                raise ValueError(f"parameter '{name}': engine has {tuple(param.shape)} {param.dtype}, "
+                                 f"update sent {tuple(tensor.shape)} {tensor.dtype}")
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                self._params[name].copy_(tensor)
+                self._updated.add(id(self._params[name]))
+
+    async def finish_weight_update(self, version: int) -> None:
+        """Check every parameter was assigned since the update began, then serve `version`."""
+        if self._update_version != version:
+            raise RuntimeError(f"finish_weight_update({version}) but the update in progress is "
+                               f"{self._update_version}")
+        self._bind_loop()
+        missing = [n for i, n in self._canonical.items() if i not in self._updated]
+        if missing:
+            # The update stays open (decoding blocked): the sender may send the rest and finish again.
+            raise RuntimeError(f"weight update to version {version} did not assign "
+                               f"{len(missing)} parameter(s): {', '.join(missing)}")
+        self._version, self._update_version = version, None
+        self._weights_epoch += 1
+        self._stats["weight_updates"] += 1
+        if not self._paused:
+            self._can_run.set()
+
+    async def get_version(self) -> int:
+        return self._version
+
+    async def stats(self) -> dict:
+        return {**self._stats, "version": self._version, "paused": self._paused,
+                "pending": len(self._pending), "updating": self._update_version is not None}
+
+    def _bind_loop(self) -> None:
+        """Create the events and the decode task on the running loop (Ray actor or asyncio.run)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        self._loop = loop
+        self._can_run = asyncio.Event()     # open unless paused or mid-update
+        if not self._paused and self._update_version is None:
+            self._can_run.set()
+        self._wakeup = asyncio.Event()
+        self._pending = []                  # requests of a closed loop cannot be answered
+        self._loop_task = loop.create_task(self._decode_loop())  # keep a reference: tasks are weak
+
+    async def _decode_loop(self) -> None:
+        while True:
+            if not self._pending:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            # Let concurrent arrivals gather so they share one wave.
+            n = -1
+            for _ in range(20):
+                if n == len(self._pending):
+                    break
+                n = len(self._pending)
+                await asyncio.sleep(0.001)
+            key = self._pending[0].key()
+            wave = [r for r in self._pending if r.key() == key][: self.max_batch_size]
+            taken = {id(r) for r in wave}
+            self._pending = [r for r in self._pending if id(r) not in taken]
+            try:
+                await self._run_wave(wave)
+            except Exception as e:  # a failed wave fails its requests, not the engine
+                for r in wave:
+                    if not r.future.done():
+                        r.future.set_exception(e)
+
+    async def _run_wave(self, wave: list[_Request]) -> None:
+        self._stats["batches"] += 1
+        s = wave[0].sampling
+        rows: list[_Request] = []
+        epoch = -1
+        while True:
+            await self._can_run.wait()
+            if epoch != self._weights_epoch:
+                # Fresh wave or new weights: (re)build the KV cache from prompt + tokens so far.
+                rows = [r for r in wave if r.finish_reason is None]
+                if not rows:
+                    return
+                logits, cache, mask, pos, seen = self._prefill(rows)
+                epoch = self._weights_epoch
+            else:
+                logits = self._step(next_ids, cache, mask, pos)
+                self._stats["decode_steps"] += 1
+            tokens, logprobs = self._sample(logits, seen, s)
+            seen[torch.arange(len(rows)), tokens] = True
+            for r, t, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
+                if r.finish_reason is not None:
+                    continue
+                r.tokens.append(t)
+                r.logprobs.append(lp)
+                r.versions.append(self._version)
+                self._stats["tokens_generated"] += 1
+                if t in r.stop_ids:
+                    r.finish_reason = "stop"
+                elif (len(r.tokens) >= s["max_new_tokens"]
+                      or len(r.prompt) + len(r.tokens) >= self.max_positions):
+                    r.finish_reason = "length"
+                if r.finish_reason is not None:
+                    self._stats["requests"] += 1
+                    r.future.set_result(Completion(r.tokens, r.logprobs, r.versions, r.finish_reason))
+            if all(r.finish_reason is not None for r in rows):
+                return
+            # Finished rows keep decoding a pad token (ignored) so the batch shape stays fixed.
+            next_ids = torch.tensor([[self.pad_id if r.finish_reason else r.tokens[-1]] for r in rows],
+                                    device=self.device)
+            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+            pos = pos + 1
+            await asyncio.sleep(0)
+
+    @torch.no_grad()
+    def _prefill(self, rows: list[_Request]) -> tuple:
+        seqs = [r.prompt + r.tokens for r in rows]
+        L = max(len(x) for x in seqs)
+        ids = torch.full((len(seqs), L), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(seqs), L, dtype=torch.long)
+        for i, x in enumerate(seqs):  # left padding: [B, L]
+            ids[i, L - len(x):] = torch.tensor(x)
+            mask[i, L - len(x):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        seen = torch.zeros(len(seqs), out.logits.shape[-1], dtype=torch.bool, device=self.device)
+        seen.scatter_(1, ids, mask.bool())  # [B, V]: tokens present (for repetition penalty)
+        self._stats["prefills"] += 1
+        self._stats["prefill_tokens"] += sum(len(x) for x in seqs)
+        return out.logits[:, -1], out.past_key_values, mask, position_ids[:, -1:], seen
+
+    @torch.no_grad()
+    def _step(self, next_ids: torch.Tensor, cache: DynamicCache, mask: torch.Tensor,
+              pos: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=next_ids, attention_mask=mask, position_ids=pos,
+                         past_key_values=cache, use_cache=True)
+        return out.logits[:, -1]
+
+    @torch.no_grad()
+    def _sample(self, logits: torch.Tensor, seen: torch.Tensor, s: dict
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [B, V] -> (tokens [B], behavior log-probs [B]) after penalty and temperature."""
+        logits = logits.float()
+        if s["repetition_penalty"] != 1.0:
+            p = s["repetition_penalty"]
+            logits = torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
+        logits = logits / s["temperature"]
+        logprobs = torch.log_softmax(logits, dim=-1)
+        # top_k / top_p / min_p shape only the sampling distribution, not the recorded log-prob.
+        filtered = logits.clone()
+        if s["top_k"] > 0:
+            kth = torch.topk(filtered, min(s["top_k"], filtered.shape[-1]), dim=-1).values[:, -1:]
+            filtered[filtered < kth] = -float("inf")
+        if s["top_p"] < 1.0:
+            sorted_logits, order = torch.sort(filtered, dim=-1, descending=True)
+            probs = sorted_logits.softmax(-1)
+            drop = probs.cumsum(-1) - probs > s["top_p"]  # keeps the token that crosses top_p
+            filtered.scatter_(1, order, sorted_logits.masked_fill(drop, -float("inf")))
+        if s["min_p"] > 0.0:
+            probs = filtered.softmax(-1)
+            filtered[probs < s["min_p"] * probs.max(-1, keepdim=True).values] = -float("inf")
+        tokens = torch.multinomial(filtered.softmax(-1), 1, generator=self.generator).squeeze(1)
+        return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _eos_ids(model_path: str, config: Any) -> list[int]:
+    """Default stop ids: generation_config eos (may be a list), else the model config's eos."""
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = config.eos_token_id
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]

@@ -1,0 +1,107 @@
+"""Every extension point of Molt. A plugin is a module with functions decorated `@molt.hookimpl`.
+
+Registration hooks return `{name: object}`; the core merges them across plugins and raises on a
+duplicate or unknown name, listing the valid ones. Pipeline hooks fire at named points of the
+training loop (see `trainer.py`). Full docs with examples: docs/plugins.md.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import pluggy
+
+if TYPE_CHECKING:
+    from molt_core.config import Config
+    from molt_core.trajectory import Trajectory
+
+hookspec = pluggy.HookspecMarker("molt")
+hookimpl = pluggy.HookimplMarker("molt")
+
+__all__ = ["hookimpl", "hookspec"]
+
+
+@hookspec
+def molt_estimators() -> dict[str, Callable]:
+    """Register advantage estimators.
+
+    Returns `{name: fn}` with `fn(rewards[R], group_index[R], **kwargs) -> advantages[R]` (float
+    tensors; `group_index` long) or a per-token `advantages` list when the estimator needs token
+    positions. Keyword arguments come from `algorithm.estimator_args`.
+    """
+
+
+@hookspec
+def molt_losses() -> dict[str, Callable]:
+    """Register policy losses.
+
+    Returns `{name: fn}` with `fn(logprobs, behavior_logprobs, advantages, mask, **kwargs) ->
+    (per_token_loss, metrics)`, all tensors [B, T]. The trainer aggregates `per_token_loss` with
+    `algorithm.loss_agg` over the whole optimizer step; `metrics` values are [B, T] (token-mean
+    over `mask`) or scalars. Keyword arguments come from `algorithm.loss_args`.
+    """
+
+
+@hookspec
+def molt_agents() -> dict[str, Callable]:
+    """Register agent types.
+
+    Returns `{name: factory}`; `factory(cfg, tokenizer, plugins, **agent.args) -> agent` where the
+    agent has `async rollout(ctx: RolloutContext) -> Trajectory` (see `generator.py`).
+    """
+
+
+@hookspec
+def molt_envs() -> dict[str, Callable]:
+    """Register Gym-style environments (classes with async `reset(seed)` and `step(action)`)."""
+
+
+@hookspec
+def molt_engines() -> dict[str, type]:
+    """Register rollout engines: `{name: class}` (see `engines/hf.py` for the interface)."""
+
+
+@hookspec
+def molt_trainer_backends() -> dict[str, type]:
+    """Register trainer backends: `{name: class}` (see `policy.py` for the interface)."""
+
+
+@hookspec
+def molt_rollout_schemes() -> dict[str, Callable]:
+    """Register rollout schemes.
+
+    Returns `{name: factory}`; `factory(cfg, generator, policy, engines) -> scheme` with
+    `next_batch(step) -> list[list[Trajectory]]` (complete groups) and `after_train(step) ->
+    int` (pushes weights when the scheme decides; returns the current weight version).
+    """
+
+
+@hookspec
+def molt_config_sections() -> dict[str, type]:
+    """Register plugin config sections: `{section: dataclass}`.
+
+    The YAML mapping under `section` is built into the dataclass (unknown keys are errors) and
+    is available as `cfg.plugins[section]`.
+    """
+
+
+@hookspec
+def molt_configure(cfg: Config) -> None:
+    """Called once after the config is loaded and before any process starts.
+
+    Raise `molt_core.config.ConfigError` to reject a combination your plugin cannot run with.
+    """
+
+
+@hookspec
+def molt_filter_batch(groups: list[list[Trajectory]], step: int) -> list[list[Trajectory]] | None:
+    """Filter or reshape the groups of a training batch before advantages are computed.
+
+    Return the new list of groups, or None to leave it unchanged. Implementations are chained:
+    each receives the previous one's result.
+    """
+
+
+@hookspec
+def molt_on_step_end(step: int, metrics: dict[str, Any]) -> None:
+    """Called after each training step with its metrics (may add entries to `metrics`)."""

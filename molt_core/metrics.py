@@ -1,0 +1,82 @@
+"""Run directory, structlog events, metrics.jsonl and the progress bar."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+import yaml
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+__all__ = ["MetricsSink", "configure_logging", "make_run_dir"]
+
+
+def configure_logging(level: str = "INFO") -> None:
+    """Called by the CLI only (never at import): key=value events on stderr."""
+    structlog.configure(
+        processors=[structlog.processors.add_log_level,
+                    structlog.processors.TimeStamper(fmt="%H:%M:%S"),
+                    structlog.dev.ConsoleRenderer(colors=False)],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level)),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+    )
+
+
+def _git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=5, cwd=Path(__file__).parent).stdout.strip() or "-"
+    except (OSError, subprocess.TimeoutExpired):
+        return "-"
+
+
+def make_run_dir(out_dir: str, name: str, config: dict, plugins: dict, seed: int,
+                 argv: list[str]) -> Path:
+    """Create `out_dir/name-YYYYmmdd-HHMMSS` with the resolved config and provenance."""
+    run_dir = Path(out_dir) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    n = 1
+    while run_dir.exists():
+        run_dir = run_dir.with_name(f"{run_dir.name.rsplit('.', 1)[0]}.{n}")
+        n += 1
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    meta = {"git_sha": _git_sha(), "seed": seed, "argv": argv, "plugins": plugins,
+            "python": sys.version.split()[0]}
+    (run_dir / "meta.json").write_text(json.dumps(meta, indent=2))
+    return run_dir
+
+
+class MetricsSink:
+    """Appends one JSON line per step and drives a progress bar (step, reward, step time)."""
+
+    def __init__(self, run_dir: Path | None, total_steps: int, show: bool = True) -> None:
+        self.file = (run_dir / "metrics.jsonl").open("a") if run_dir else None
+        self.progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
+                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                                 disable=not show, transient=False)
+        self.task = self.progress.add_task("train", total=total_steps, info="")
+        self.progress.start()
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        if self.file:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        info = f"reward {metrics.get('reward/mean', float('nan')):.3f}  " \
+               f"step {metrics.get('time/step_s', float('nan')):.2f}s"
+        self.progress.update(self.task, completed=step + 1, info=info)
+
+    def close(self) -> None:
+        self.progress.stop()
+        if self.file:
+            self.file.close()
+
+
+def _plain(v: Any) -> Any:
+    return v.item() if hasattr(v, "item") else v

@@ -1,0 +1,170 @@
+"""Plugin manager: built-ins -> entry points (group `molt`) -> `--plugin NAME` -> `-p no:NAME`.
+
+Built in a function, never at import. What a plugin provides shows in the hooks it implements;
+registration hooks are merged into a `Registry` that names the plugin behind every entry.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import os
+import sys
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable
+
+import pluggy
+
+from molt_core import hookspecs
+
+__all__ = ["KINDS", "PluginError", "Plugins", "build_plugins"]
+
+BUILTINS = ("molt_core.builtin",)
+# registry kind -> (hook, config key it selects)
+KINDS = {
+    "estimator": ("molt_estimators", "algorithm.estimator"),
+    "loss": ("molt_losses", "algorithm.loss"),
+    "agent": ("molt_agents", "agent.name"),
+    "env": ("molt_envs", None),
+    "engine": ("molt_engines", "engine.name"),
+    "trainer_backend": ("molt_trainer_backends", "trainer.backend"),
+    "rollout_scheme": ("molt_rollout_schemes", "rollout.scheme"),
+    "config_section": ("molt_config_sections", None),
+}
+
+
+class PluginError(RuntimeError):
+    """A plugin could not be found, loaded or merged."""
+
+
+@dataclass
+class Plugins:
+    pm: pluggy.PluginManager
+    info: dict[str, dict[str, str]]                 # plugin name -> {distribution, version}
+    registry: dict[str, dict[str, Any]]             # kind -> {entry name: object}
+    owner: dict[tuple[str, str], str]               # (kind, entry) -> plugin name
+    selected: list[str] = field(default_factory=list)
+    blocked: list[str] = field(default_factory=list)
+
+    @property
+    def hook(self) -> Any:
+        return self.pm.hook
+
+    def get(self, kind: str, name: str) -> Any:
+        """Look up a registered entry; the error lists the valid names and blocked plugins."""
+        entries = self.registry[kind]
+        if name not in entries:
+            valid = ", ".join(sorted(entries)) or "(none)"
+            hint = f"; blocked plugins: {', '.join(self.blocked)}" if self.blocked else ""
+            raise PluginError(f"unknown {kind} '{name}'; valid: {valid}{hint}. Install the plugin "
+                              f"that provides it (e.g. pip install molt-estimator-<name>) or fix "
+                              "the name in the recipe")
+        return entries[name]
+
+    def selection_overrides(self) -> list[str]:
+        """Config overrides implied by `--plugin NAME`: a selected plugin's sole entry of a kind
+        (or its entry named NAME) becomes the run's choice for that kind."""
+        out = []
+        for plugin in self.selected:
+            for kind, (_, key) in KINDS.items():
+                mine = [e for (k, e), p in self.owner.items() if k == kind and p == plugin]
+                pick = plugin if plugin in mine else (mine[0] if len(mine) == 1 else None)
+                if key and pick:
+                    out.append(f"{key}={pick}")
+        return out
+
+    def hooks_of(self, name: str) -> list[str]:
+        plugin = self.pm.get_plugin(name)
+        return sorted(c.name for c in self.pm.get_hookcallers(plugin) or [])
+
+
+def _entry_points() -> dict[str, md.EntryPoint]:
+    eps: dict[str, md.EntryPoint] = {}
+    for ep in md.entry_points(group="molt"):
+        if ep.name in eps and eps[ep.name].value != ep.value:
+            a, b = (getattr(e.dist, "name", "?") for e in (eps[ep.name], ep))
+            raise PluginError(f"two installed distributions provide the molt plugin '{ep.name}': "
+                              f"{a} and {b}; uninstall one of them")
+        eps[ep.name] = ep
+    return eps
+
+
+def build_plugins(plugins: list[str] = (), blocked: list[str] = ()) -> Plugins:
+    """Build the plugin manager and the merged registry."""
+    pm = pluggy.PluginManager("molt")
+    pm.add_hookspecs(hookspecs)
+    info: dict[str, dict[str, str]] = {}
+    blocked = [b.removeprefix("no:") for b in blocked]
+    for name in blocked:
+        pm.set_blocked(name)
+    for mod in BUILTINS:
+        _register(pm, importlib.import_module(mod), mod.rsplit(".", 1)[-1], info,
+                  {"distribution": "molt", "version": _version("molt")})
+    eps = _entry_points()
+    for name, ep in eps.items():
+        if name in blocked:
+            continue
+        dist = getattr(ep.dist, "name", "?")
+        _register(pm, _load(ep), name, info, {"distribution": dist, "version": _version(dist)})
+    for name in plugins:
+        if name in blocked:
+            raise PluginError(f"plugin '{name}' is both selected (--plugin) and blocked (-p no:)")
+        if name in info:
+            continue
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            valid = ", ".join(sorted(set(eps) | {n for n in info if n != "builtin"})) or "(none)"
+            raise PluginError(f"unknown plugin '{name}'; installed plugins: {valid}. Install it "
+                              "(pip install <package>) or pass an importable module path") from None
+        _register(pm, module, name, info, {"distribution": "(module)", "version": "-"})
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as e:
+        specs = sorted(n for n in dir(pm.hook) if n.startswith("molt_"))
+        raise PluginError(f"{e}; valid molt hooks: {', '.join(specs)}") from None
+    if os.environ.get("MOLT_TRACE_PLUGINS"):
+        pm.trace.root.setwriter(lambda msg: print(msg, end="", file=sys.stderr))
+        pm.enable_tracing()
+    registry, owner = _merge(pm)
+    return Plugins(pm, info, registry, owner, list(plugins), blocked)
+
+
+def _version(dist: str) -> str:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return "-"
+
+
+def _load(ep: md.EntryPoint) -> ModuleType:
+    try:
+        return ep.load()
+    except Exception as e:  # a broken plugin must name itself
+        raise PluginError(f"molt plugin '{ep.name}' ({ep.value}) failed to import: "
+                          f"{type(e).__name__}: {e}") from e
+
+
+def _register(pm: pluggy.PluginManager, module: Any, name: str, info: dict, meta: dict) -> None:
+    try:
+        pm.register(module, name=name)
+    except pluggy.PluginValidationError as e:
+        raise PluginError(f"plugin '{name}' is invalid: {e}") from None
+    info[name] = meta
+
+
+def _merge(pm: pluggy.PluginManager) -> tuple[dict, dict]:
+    registry: dict[str, dict[str, Any]] = {k: {} for k in KINDS}
+    owner: dict[tuple[str, str], str] = {}
+    for kind, (hook, _) in KINDS.items():
+        for impl in getattr(pm.hook, hook).get_hookimpls():
+            entries: dict[str, Callable] = impl.function() or {}
+            for entry, obj in entries.items():
+                if entry in registry[kind]:
+                    raise PluginError(f"{kind} '{entry}' is registered by both plugin "
+                                      f"'{owner[(kind, entry)]}' and plugin '{impl.plugin_name}'; "
+                                      "block one with -p no:NAME")
+                registry[kind][entry] = obj
+                owner[(kind, entry)] = impl.plugin_name
+    return registry, owner

@@ -1,0 +1,291 @@
+"""Trainer backend `fsdp2`: an HF causal LM sharded with torch `fully_shard`, one Ray actor per rank.
+
+`PolicyWorker` is one rank (gloo on CPU, NCCL on CUDA). `Policy` is the driver-side handle: it splits
+a collated batch evenly across ranks, counts the step's global normalisers and merges rank metrics.
+World size 1 runs the same FSDP2 code path as world size N.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import socket
+import time
+from dataclasses import asdict
+from datetime import timedelta
+from typing import Any, Callable
+
+import ray
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+from molt_core import weight_sync
+from molt_core.algos import aggregate
+from molt_core.config import TrainerConfig
+
+__all__ = ["Policy", "PolicyWorker", "token_logprobs"]
+
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   loss_mask: torch.Tensor, temperature: float, chunk: int) -> torch.Tensor:
+    """[b, T] log p(input_ids[:, t] | input_ids[:, <t]) / temperature at trainable t, 0 elsewhere.
+
+    Only trainable positions go through `lm_head`, `chunk` tokens at a time; with grad enabled each
+    chunk is recomputed in backward, so peak memory is [chunk, vocab] rather than [tokens, vocab].
+    """
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask,
+                         use_cache=False).last_hidden_state                      # [b, T, H]
+    rows, cols = loss_mask[:, 1:].nonzero(as_tuple=True)    # hidden[:, t] predicts token t+1
+    h, targets = hidden[rows, cols], input_ids[rows, cols + 1]                   # [N, H], [N]
+    out = torch.zeros(input_ids.shape, dtype=torch.float32, device=hidden.device)
+    if rows.numel() == 0:
+        # Every rank must give lm_head a gradient, or FSDP reduce-scatters differ in size and hang.
+        return out + 0.0 * model.lm_head(hidden[:1, 0]).float().sum()
+
+    def piece(h_c: torch.Tensor, t_c: torch.Tensor) -> torch.Tensor:
+        logits = model.lm_head(h_c).float() / temperature                       # [c, V]
+        return logits.log_softmax(-1).gather(-1, t_c[:, None]).squeeze(-1)
+
+    grad = torch.is_grad_enabled()
+    pieces = [torch.utils.checkpoint.checkpoint(piece, h[s:s + chunk], targets[s:s + chunk],
+                                                use_reentrant=False) if grad
+              else piece(h[s:s + chunk], targets[s:s + chunk])
+              for s in range(0, rows.numel(), chunk)]
+    return out.index_put((rows, cols + 1), torch.cat(pieces))
+
+
+class PolicyWorker:
+    """One FSDP2 rank. Plain class; `Policy` runs it as a Ray actor."""
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int,
+                 model_path: str, *, dtype: str = "float32", trainer: dict[str, Any],
+                 seed: int = 0, num_threads: int = 1) -> None:
+        torch.set_num_threads(num_threads)
+        torch.manual_seed(seed)
+        self.rank, self.world_size, self.cfg = rank, world_size, trainer
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
+                                rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=trainer["timeout_s"]))
+        mesh = init_device_mesh(self.device.type, (world_size,))
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype]).to(self.device)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        # The root owns embed/norm/lm_head: they are gathered only inside a registered forward method.
+        model.molt_token_logprobs = functools.partial(token_logprobs, model)
+        register_fsdp_forward_method(model, "molt_token_logprobs")
+        self.model = model
+        self.optim = torch.optim.AdamW(model.parameters(), lr=trainer["lr"],
+                                       betas=tuple(trainer["betas"]),
+                                       weight_decay=trainer["weight_decay"])
+
+    def ready(self) -> int:
+        return self.rank
+
+    def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        mbs = []
+        n = self.cfg["micro_batch_size"]
+        for s in range(0, batch["input_ids"].shape[0], n):
+            mb = {k: v[s:s + n].to(self.device) for k, v in batch.items()}
+            T = max(int(mb["attention_mask"].sum(-1).max()), 1)    # right padded: trim the tail
+            mbs.append({k: v[:, :T] for k, v in mb.items()})
+        return mbs
+
+    def _logprobs(self, mb: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+        return self.model.molt_token_logprobs(mb["input_ids"], mb["attention_mask"], mb["loss_mask"],
+                                              temperature, self.cfg["logprob_chunk"])
+
+    def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, loss_args: dict,
+                   loss_agg: str, num_tokens: int, num_seqs: int, temperature: float
+                   ) -> dict[str, Any]:
+        """One optimizer step on this rank's rows; returns mergeable sums, counts and maxima."""
+        t0 = time.perf_counter()
+        loss_total, sums, counts = 0.0, {}, {}
+        max_abs = 0.0
+        for mb in self._micro_batches(batch):
+            mask = mb["loss_mask"]
+            lp = self._logprobs(mb, temperature)
+            per_token, metrics = loss_fn(lp, mb["behavior_logprobs"], mb["advantages"], mask,
+                                         **loss_args)
+            loss = aggregate(per_token, mask, loss_agg, num_tokens, num_seqs)
+            # FSDP2 averages gradients over ranks; x world_size makes the step's gradient sum/global count.
+            (loss * self.world_size).backward()
+            loss_total += float(loss.detach())
+            with torch.no_grad():
+                n_tok = float(mask.sum())
+                diff = (lp - mb["behavior_logprobs"])[mask]
+                if diff.numel():
+                    max_abs = max(max_abs, float(diff.abs().max()))
+                k3 = (diff.exp() - 1 - diff).sum()      # k3 estimate of KL(behavior || trainer)
+                named = {"mismatch/kl": (float(k3), n_tok)}
+                for k, v in metrics.items():
+                    v = v.detach()
+                    named[k] = ((float((v * mask).sum()), n_tok) if v.shape == mask.shape
+                                else (float(v) * n_tok, n_tok))     # scalars: token-weighted
+                for k, (s, c) in named.items():
+                    sums[k] = sums.get(k, 0.0) + s
+                    counts[k] = counts.get(k, 0.0) + c
+        t1 = time.perf_counter()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg["grad_clip"])
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+        return {"loss": loss_total, "grad_norm": float(grad_norm), "sums": sums, "counts": counts,
+                "max": {"mismatch/max_abs": max_abs},
+                "time": {"train/fwd_bwd_s": t1 - t0, "train/optim_s": time.perf_counter() - t1}}
+
+    @torch.no_grad()
+    def logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+        """[b, T] trainer log-probs of trainable tokens (0 elsewhere), pre-update weights."""
+        B, T = batch["input_ids"].shape
+        out = torch.zeros(B, T)
+        s = 0
+        for mb in self._micro_batches(batch):
+            lp = self._logprobs(mb, temperature).cpu()
+            out[s:s + lp.shape[0], :lp.shape[1]] = lp
+            s += lp.shape[0]
+        self.model.reshard()            # the root keeps its params gathered after forward
+        return out
+
+    def _named_full_tensors(self):
+        for name, p in self.model.named_parameters():
+            yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """Gathered parameters by HF name (a collective: call on every rank)."""
+        return {n: t.cpu().clone() for n, t in self._named_full_tensors()}
+
+    def push_weights(self, engines: list, version: int, bucket_bytes: int, timeout_s: float
+                     ) -> dict[str, Any]:
+        """Gather every parameter (all ranks) and send dtype-preserving buckets to engines (rank 0)."""
+        t0 = time.perf_counter()
+        total, buckets, bucket, size = 0, 0, [], 0
+
+        def send(named: list[tuple[str, torch.Tensor]]) -> None:
+            ref = ray.put(named)
+            _wait([e.update_weights.remote(ref, version) for e in engines], engines, timeout_s,
+                  f"update_weights (bucket {buckets}, version {version})")
+
+        for name, t in self._named_full_tensors():
+            if self.rank != 0:
+                continue
+            nbytes = t.numel() * t.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                send(bucket)
+                buckets, bucket, size = buckets + 1, [], 0
+            bucket.append((name, t.cpu().clone()))
+            size += nbytes
+            total += nbytes
+        if self.rank != 0:
+            return {}
+        if bucket:
+            send(bucket)
+            buckets += 1
+        _wait([e.finish_weight_update.remote(version) for e in engines], engines, timeout_s,
+              f"finish_weight_update (version {version})")
+        return {"bytes": total, "buckets": buckets, "seconds": time.perf_counter() - t0}
+
+
+def _wait(refs: list, engines: list, timeout_s: float, what: str) -> list:
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        late = [f"engine {i} ({engines[i]})" for i, r in enumerate(refs) if r in pending]
+        raise TimeoutError(f"weight sync: {', '.join(late)} did not finish {what} within "
+                           f"{timeout_s}s (trainer.weight_sync_timeout_s); the trainer ranks are "
+                           "now out of step, restart the run")
+    return ray.get(refs)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pad_rows(batch: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    """Append n fully masked dummy rows (one attended pad token, so attention is never empty)."""
+    if n == 0:
+        return batch
+    out = {}
+    for k, v in batch.items():
+        fill = torch.full((n, *v.shape[1:]), -1 if k == "versions" else 0, dtype=v.dtype)
+        if k == "attention_mask":
+            fill[:, 0] = True
+        out[k] = torch.cat([v, fill])
+    return out
+
+
+class Policy:
+    """Driver handle for `num_ranks` FSDP2 `PolicyWorker` actors."""
+
+    def __init__(self, model_path: str, trainer_cfg: TrainerConfig, *, dtype: str = "float32",
+                 seed: int = 0, num_threads: int = 1) -> None:
+        self.cfg = trainer_cfg
+        n = trainer_cfg.num_ranks
+        actor = ray.remote(PolicyWorker).options(num_cpus=0, num_gpus=1 if torch.cuda.is_available() else 0)
+        port = _free_port()
+        self.workers = [actor.remote(r, n, "127.0.0.1", port, model_path, dtype=dtype,
+                                     trainer=asdict(trainer_cfg), seed=seed, num_threads=num_threads)
+                        for r in range(n)]
+        try:
+            ray.get([w.ready.remote() for w in self.workers], timeout=trainer_cfg.timeout_s)
+        except Exception:
+            self.shutdown()
+            raise
+
+    def _split(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        # Equal rows per rank -> equal micro-batch counts -> FSDP collectives never hang.
+        n = len(self.workers)
+        B = batch["input_ids"].shape[0]
+        per = math.ceil(B / n)
+        batch = _pad_rows(batch, per * n - B)
+        return [{k: v[r * per:(r + 1) * per] for k, v in batch.items()} for r in range(n)]
+
+    def _get(self, refs: list) -> list:
+        return ray.get(refs, timeout=self.cfg.timeout_s)
+
+    def train(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, loss_args: dict | None = None,
+              loss_agg: str = "token-mean", temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step on a `collate` batch [B, T]; returns plain-float metrics."""
+        mask = batch["loss_mask"]
+        num_tokens, num_seqs = int(mask.sum()), int(mask.any(-1).sum())
+        outs = self._get([w.train_step.remote(part, loss_fn, loss_args or {}, loss_agg, num_tokens,
+                                              num_seqs, temperature)
+                          for w, part in zip(self.workers, self._split(batch))])
+        metrics = {"loss": sum(o["loss"] for o in outs), "grad_norm": outs[0]["grad_norm"]}
+        for k in outs[0]["sums"]:
+            metrics[k] = sum(o["sums"][k] for o in outs) / max(sum(o["counts"][k] for o in outs), 1.0)
+        for group, reduce in (("max", max), ("time", max)):
+            for k in outs[0][group]:
+                metrics[k] = reduce(o[group][k] for o in outs)
+        return metrics
+
+    def logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+        """[B, T] trainer log-probs at trainable positions, 0 elsewhere."""
+        B = batch["input_ids"].shape[0]
+        parts = self._get([w.logprobs.remote(p, temperature)
+                           for w, p in zip(self.workers, self._split(batch))])
+        return torch.cat(parts)[:B]
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        return self._get([w.full_params.remote() for w in self.workers])[0]
+
+    def push_weights(self, engines: list, version: int) -> dict[str, Any]:
+        return weight_sync.push(self.workers, engines, version,
+                                int(self.cfg.weight_sync_bucket_mb * 2**20),
+                                self.cfg.weight_sync_timeout_s)
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []

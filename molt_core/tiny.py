@@ -1,0 +1,126 @@
+"""Tiny local models for tests and CPU recipes, saved as ordinary HF checkpoint directories.
+
+Nothing is downloaded: the tokenizer is a byte-level BPE trained here with `tokenizers` on a small
+built-in corpus, the model is a randomly initialised Qwen3 (or Qwen3-MoE) built from its config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast,
+                          Qwen3Config, Qwen3MoeConfig)
+
+__all__ = ["ARCHS", "CHAT_TEMPLATE", "SPECIAL_TOKENS", "build_tiny_model", "build_tokenizer"]
+
+ARCHS = ("qwen3", "qwen3_moe")
+PAD, EOS = "<|endoftext|>", "<|im_end|>"
+SPECIAL_TOKENS = [PAD, "<|im_start|>", EOS, "<tool_call>", "</tool_call>", "<think>", "</think>"]
+
+# Qwen2.5/Qwen3-style ChatML (no default system prompt, as in Qwen3; no thinking switch).
+CHAT_TEMPLATE = """\
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n\
+You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and \
+arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n\
+{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant\\n' + (message.content or '') }}
+{%- for tool_call in message.tool_calls or [] %}
+{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+{%- if not loop.first or message.content %}{{- '\\n' }}{%- endif %}
+{{- '<tool_call>\\n{"name": "' + tool_call.name + '", "arguments": ' }}
+{%- if tool_call.arguments is string %}{{- tool_call.arguments }}\
+{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+_WORDS = """the a an and or not is are was be to of in on at for with from by it this that what
+which who how many much letter letters word words number numbers comes after before next previous
+answer question yes no true false add plus minus times divided equals sum total count spell
+reverse first last one two three four five six seven eight nine ten zero hello world please
+thank you user assistant system tool call result search calculator weather city name value
+think step so therefore because if then else output input correct wrong good bad game move
+left right up down start end stop go open close find get set make take give""".split()
+
+
+def _corpus(extra: Sequence[str]) -> list[str]:
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    lines = [" ".join(_WORDS), letters, " ".join(letters), letters.upper(), "0123456789"]
+    lines += [f"What letter comes after {c}? {n}" for c, n in zip(letters, letters[1:])]
+    lines += [f"What letter comes before {n}? {c}" for c, n in zip(letters, letters[1:])]
+    lines += [f"{a} + {b} = {a + b}. {a} * {b} = {a * b}. {a + b} - {b} = {a}"
+              for a in range(0, 20, 3) for b in range(1, 12, 2)]
+    lines += [f"The answer is {i}." for i in range(10)]
+    lines += ['{"name": "calculator", "arguments": {"expression": "2 + 3"}}',
+              "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\nHi!<|im_end|>\n"]
+    return lines + list(extra)
+
+
+def build_tokenizer(vocab_size: int = 512, extra_corpus: Sequence[str] = ()) -> PreTrainedTokenizerFast:
+    """Byte-level BPE: every byte is in the base vocab, digits are split one per token (as Qwen)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_corpus(extra_corpus), trainer=trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD,
+                                 additional_special_tokens=SPECIAL_TOKENS[1:], model_max_length=512)
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def build_tiny_model(out_dir: str | Path, arch: str = "qwen3", *, hidden_size: int = 64,
+                     num_layers: int = 2, seed: int = 0, vocab_size: int = 512,
+                     extra_corpus: Sequence[str] = ()) -> Path:
+    """Write a random-init fp32 model + tokenizer + generation_config to `out_dir`; return it."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny-model arch '{arch}'; valid: {', '.join(ARCHS)}")
+    out = Path(out_dir)
+    tok = build_tokenizer(vocab_size, extra_corpus)
+    if len(tok) > vocab_size:
+        raise ValueError(f"tokenizer has {len(tok)} tokens, more than vocab_size={vocab_size}")
+    pad_id, eos_id = tok.convert_tokens_to_ids([PAD, EOS])
+    # As in Qwen3 checkpoints: bos is <|endoftext|> in the config; nothing is prepended on encode.
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=128,
+                  num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=32, max_position_embeddings=512, tie_word_embeddings=True,
+                  bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id, dtype="float32")
+    if arch == "qwen3":
+        config = Qwen3Config(**common)
+    else:
+        config = Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=32, norm_topk_prob=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(bos_token_id=pad_id, eos_token_id=[eos_id, pad_id],
+                                               pad_token_id=pad_id)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

@@ -1,0 +1,99 @@
+"""THE training loop: batch -> filter -> estimator -> loss/step -> weight sync -> hooks."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from molt_core import cluster
+from molt_core.config import Config
+from molt_core.generator import Generator
+from molt_core.metrics import MetricsSink
+from molt_core.plugins import Plugins
+from molt_core.trajectory import Trajectory, collate
+
+__all__ = ["ForwardConsistencyError", "train"]
+
+log = structlog.get_logger("molt.trainer")
+
+
+class ForwardConsistencyError(RuntimeError):
+    """Engine and trainer disagree on the model (invariant 3)."""
+
+
+def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
+          progress: bool = True) -> list[dict[str, Any]]:
+    """Run `cfg.trainer.steps` steps; returns the per-step metrics."""
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    vocab_size = AutoConfig.from_pretrained(cfg.model.path).get_text_config().vocab_size
+    estimator = plugins.get("estimator", cfg.algorithm.estimator)
+    loss_fn = plugins.get("loss", cfg.algorithm.loss)
+    agent = plugins.get("agent", cfg.agent.name)(cfg, tokenizer, plugins, **cfg.agent.args)
+    torch.manual_seed(cfg.seed)
+    history: list[dict[str, Any]] = []
+    with cluster.start(cfg, plugins) as (policy, engines):
+        generator = Generator(agent, engines, cfg, tokenizer, vocab_size)
+        scheme = plugins.get("rollout_scheme", cfg.rollout.scheme)(cfg, generator, policy, engines)
+        sink = MetricsSink(run_dir, cfg.trainer.steps, show=progress)
+        try:
+            for step in range(cfg.trainer.steps):
+                t0 = time.perf_counter()
+                groups = scheme.next_batch(step)
+                t_gen = time.perf_counter() - t0
+                for impl in reversed(plugins.hook.molt_filter_batch.get_hookimpls()):
+                    groups = impl.function(groups=groups, step=step) or groups
+                trajs = [t for g in groups for t in g]
+                rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+                group_index = torch.tensor([t.group_id for t in trajs])
+                adv = estimator(rewards, group_index, **cfg.algorithm.estimator_args)
+                batch = collate(trajs, [[float(a)] * len(t) for a, t in zip(adv, trajs)],
+                                pad_id=tokenizer.pad_token_id or 0)
+                t1 = time.perf_counter()
+                metrics = policy.train(batch, loss_fn, cfg.algorithm.loss_args,
+                                       cfg.algorithm.loss_agg, cfg.sampling.temperature)
+                t2 = time.perf_counter()
+                check_consistency(cfg, step, metrics)
+                version = scheme.after_train(step)
+                t3 = time.perf_counter()
+                metrics.update(rollout_metrics(trajs, rewards, adv), **generator.counters)
+                metrics.update({"version": version, "time/generate_s": t_gen,
+                                "time/train_s": t2 - t1, "time/weight_sync_s": t3 - t2,
+                                "time/step_s": time.perf_counter() - t0})
+                plugins.hook.molt_on_step_end(step=step, metrics=metrics)
+                sink.log(step, metrics)
+                history.append(metrics)
+                log.debug("step", step=step, reward=metrics["reward/mean"])
+        finally:
+            sink.close()
+            generator.close()
+    return history
+
+
+def check_consistency(cfg: Config, step: int, metrics: dict[str, Any]) -> None:
+    """Invariant 3: on on-policy tokens the trainer must reproduce the engine's log-probs."""
+    every = cfg.check.consistency_every
+    if not every or step % every:
+        return
+    gap = metrics.get("mismatch/max_abs", 0.0)
+    if gap > cfg.check.consistency_tol:
+        raise ForwardConsistencyError(
+            f"step {step}: trainer and engine log-probs differ by up to {gap:.3g} on on-policy "
+            f"tokens (check.consistency_tol={cfg.check.consistency_tol}). Likely causes: a dtype "
+            "difference between engine and trainer (model.dtype), sampling parameters the trainer "
+            "does not reproduce (temperature, top_p/top_k, penalties), a different chat template "
+            "or tokenizer, or a model config mismatch between the two loads.")
+
+
+def rollout_metrics(trajs: list[Trajectory], rewards: torch.Tensor, adv: torch.Tensor
+                    ) -> dict[str, float]:
+    lens = torch.tensor([t.num_trainable for t in trajs], dtype=torch.float32)
+    return {"reward/mean": rewards.mean().item(), "reward/max": rewards.max().item(),
+            "reward/min": rewards.min().item(), "adv/abs_mean": adv.abs().mean().item(),
+            "response/len_mean": lens.mean().item(),
+            "response/truncated": sum(t.truncated for t in trajs) / len(trajs),
+            "rollout/trajectories": len(trajs)}

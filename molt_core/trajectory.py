@@ -1,0 +1,124 @@
+"""Token-exact records: what an engine sampled (`Completion`) and one rollout (`Trajectory`).
+
+Invariant 1 (token identity): trainable tokens enter a trajectory only through `add_completion`,
+carrying the engine's own ids, behavior log-probs and weight versions. Prompt, tool and
+environment tokens enter through `add_prompt` and are masked. `check()` re-verifies everything
+where data crosses into training.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Completion", "InvariantError", "Trajectory", "collate"]
+
+
+class InvariantError(RuntimeError):
+    """A token-identity or policy-version invariant was violated."""
+
+
+@dataclass
+class Completion:
+    """One engine response: exactly the sampled ids with their log-probs and weight versions."""
+    token_ids: list[int]
+    logprobs: list[float]                 # log p(token) after temperature, at sampling time
+    versions: list[int]                   # weight version that sampled each token
+    finish_reason: str = "stop"           # stop | length | abort
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise InvariantError(
+                f"engine returned {n} token ids but {len(self.logprobs)} log-probs and "
+                f"{len(self.versions)} versions; every sampled token needs exactly one of each")
+
+
+@dataclass
+class Trajectory:
+    """One rollout, token by token. Segments split it when a chat template re-renders history."""
+    group_id: int = 0
+    rollout_id: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)     # 0.0 where not trainable
+    versions: list[int] = field(default_factory=list)       # -1 where not trainable
+    segments: list[int] = field(default_factory=lambda: [0])  # start index of each segment
+    reward: float = 0.0
+    turn_rewards: list[float] | None = None
+    truncated: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def add_prompt(self, token_ids: list[int]) -> None:
+        """Append context tokens (prompt, tool result, env feedback): never trainable."""
+        n = len(token_ids)
+        self.token_ids += list(token_ids)
+        self.loss_mask += [False] * n
+        self.logprobs += [0.0] * n
+        self.versions += [-1] * n
+
+    def add_completion(self, c: Completion) -> None:
+        """Append the engine's sampled tokens as trainable, with their behavior log-probs."""
+        self.token_ids += c.token_ids
+        self.loss_mask += [True] * len(c.token_ids)
+        self.logprobs += c.logprobs
+        self.versions += c.versions
+        if c.finish_reason == "length":
+            self.truncated = True
+
+    @property
+    def num_trainable(self) -> int:
+        return sum(self.loss_mask)
+
+    def check(self, vocab_size: int | None = None) -> None:
+        """Raise `InvariantError` naming the first violated invariant."""
+        n = len(self.token_ids)
+        for name in ("loss_mask", "logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise InvariantError(f"trajectory {self.group_id}/{self.rollout_id}: {name} has "
+                                     f"{len(getattr(self, name))} entries for {n} tokens")
+        for i, (tok, m, lp, v) in enumerate(zip(self.token_ids, self.loss_mask, self.logprobs,
+                                                self.versions)):
+            if not isinstance(tok, int) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
+                raise InvariantError(f"trajectory {self.group_id}/{self.rollout_id}: token id {tok!r}"
+                                     f" at position {i} is outside the vocabulary [0, {vocab_size})")
+            if m and (v < 0 or not (lp <= 0.0) or math.isinf(lp)):
+                raise InvariantError(
+                    f"trajectory {self.group_id}/{self.rollout_id}: trainable token at position {i} "
+                    f"has no sampling record (version {v}, log-prob {lp}); trainable tokens must "
+                    "come from engine completions (Trajectory.add_completion)")
+        if n and self.loss_mask[0]:
+            raise InvariantError("the first token of a trajectory cannot be trainable: it has no "
+                                 "context to be sampled from")
+
+
+def collate(trajs: list[Trajectory], advantages: list[list[float]], pad_id: int = 0
+            ) -> dict[str, torch.Tensor]:
+    """Right-pad trajectories into [B, T] tensors; `advantages[i]` is per token of trajs[i]."""
+    T = max(len(t) for t in trajs)
+    B = len(trajs)
+    out = {
+        "input_ids": torch.full((B, T), pad_id, dtype=torch.long),
+        "attention_mask": torch.zeros(B, T, dtype=torch.bool),
+        "loss_mask": torch.zeros(B, T, dtype=torch.bool),
+        "behavior_logprobs": torch.zeros(B, T, dtype=torch.float32),
+        "advantages": torch.zeros(B, T, dtype=torch.float32),
+        "versions": torch.full((B, T), -1, dtype=torch.long),
+    }
+    for i, (t, adv) in enumerate(zip(trajs, advantages)):
+        n = len(t)
+        if len(adv) != n:
+            raise InvariantError(f"advantages for trajectory {i} have {len(adv)} entries for {n} tokens")
+        out["input_ids"][i, :n] = torch.tensor(t.token_ids)
+        out["attention_mask"][i, :n] = True
+        out["loss_mask"][i, :n] = torch.tensor(t.loss_mask)
+        out["behavior_logprobs"][i, :n] = torch.tensor(t.logprobs)
+        out["advantages"][i, :n] = torch.tensor(adv)
+        out["versions"][i, :n] = torch.tensor(t.versions)
+    return out

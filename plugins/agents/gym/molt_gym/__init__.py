@@ -1,0 +1,74 @@
+"""Gym-style agents: an async `Env` and the runner that owns the generation loop.
+
+The runner renders the conversation with the model's chat template, generates in token space,
+appends the sampled tokens unchanged (trainable) and tokenizes only the text the template adds
+after them (the environment's reply; masked). Sampled text is never re-tokenized.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from molt_core import hookimpl
+from molt_core.generator import RolloutContext
+from molt_core.trajectory import InvariantError, Trajectory
+from molt_gym.envs import Env, GuessNumber, NextLetter, Observation
+
+__all__ = ["Env", "GymAgent", "GuessNumber", "NextLetter"]
+
+def _messages(obs: Observation) -> list[dict]:
+    return [{"role": "user", "content": obs}] if isinstance(obs, str) else list(obs)
+
+
+class GymAgent:
+    """Runs `env` for up to `max_turns` policy turns; the rollout's reward is the sum of turns'."""
+
+    def __init__(self, cfg: Any, tokenizer: Any, plugins: Any, *, env: str,
+                 env_args: dict | None = None, max_turns: int = 1,
+                 system_prompt: str | None = None) -> None:
+        self.env_cls = plugins.get("env", env)
+        self.env_args = env_args or {}
+        self.max_turns = max_turns
+        self.system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        self.tok = tokenizer
+
+    def render(self, messages: list[dict]) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    async def rollout(self, ctx: RolloutContext) -> Trajectory:
+        env = self.env_cls(**self.env_args)
+        messages = self.system + _messages(await env.reset(ctx.task))
+        covered = self.render(messages)           # text the trajectory's tokens spell so far
+        traj = Trajectory()
+        traj.add_prompt(self.tok(covered, add_special_tokens=False).input_ids)
+        rewards: list[float] = []
+        for turn in range(self.max_turns):
+            completion = await ctx.generate(traj.token_ids, ctx.sampling)
+            traj.add_completion(completion)
+            covered += self.tok.decode(completion.token_ids)
+            action = self.tok.decode(completion.token_ids, skip_special_tokens=True)
+            obs, reward, done, info = await env.step(action)
+            rewards.append(float(reward))
+            traj.info.update(info)
+            if done or obs is None or turn == self.max_turns - 1:
+                break
+            messages += [{"role": "assistant", "content": action}, *_messages(obs)]
+            rendered = self.render(messages)
+            if not rendered.startswith(covered):
+                raise InvariantError("the chat template re-renders earlier turns differently, so "
+                                     "the env reply cannot be appended token-exactly; use a "
+                                     "prefix-stable template or the chat agent (segments)")
+            traj.add_prompt(self.tok(rendered[len(covered):], add_special_tokens=False).input_ids)
+            covered = rendered
+        traj.reward, traj.turn_rewards = sum(rewards), rewards
+        return traj
+
+
+@hookimpl
+def molt_agents() -> dict:
+    return {"gym": GymAgent}
+
+
+@hookimpl
+def molt_envs() -> dict:
+    return {"next_letter": NextLetter, "guess_number": GuessNumber}

@@ -1,0 +1,34 @@
+"""Shared fixtures: a tiny locally built model and a local Ray (both built once per session)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from molt_core.tiny import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-init tiny Qwen3 + locally trained tokenizer, as an HF directory."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def ray_local() -> Iterator[object]:
+    """Local Ray with 2 CPUs; its files live in a short temp dir (unix socket paths are short)."""
+    import ray
+
+    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_TMPDIR", tmp)
+        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+            shutil.rmtree(tmp, ignore_errors=True)
