@@ -59,14 +59,16 @@ def check_against_plugins(cfg: Config, plugins: Plugins) -> None:
                   cfg.algorithm.estimator_args)
     _check_kwargs("algorithm.loss_args", plugins.get("loss", cfg.algorithm.loss),
                   cfg.algorithm.loss_args)
-    _check_kwargs("agent.args", plugins.get("agent", cfg.agent.name), cfg.agent.args, skip=3)
+    _check_kwargs("agent.args", plugins.get("agent", cfg.agent.name), cfg.agent.args)
 
 
-def _check_kwargs(where: str, fn: Any, kwargs: dict, skip: int = 0) -> None:
-    params = list(inspect.signature(fn).parameters.values())[skip:]
+def _check_kwargs(where: str, fn: Any, kwargs: dict) -> None:
+    """Hyper-parameters are the keyword-only (or defaulted) parameters of a component."""
+    params = list(inspect.signature(fn).parameters.values())
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return
-    names = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    names = {p.name for p in params
+             if p.kind is p.KEYWORD_ONLY or (p.kind is p.POSITIONAL_OR_KEYWORD and p.default is not p.empty)}
     unknown = sorted(set(kwargs) - names)
     if unknown:
         raise ConfigError(f"{where}: {fn.__qualname__} does not accept {', '.join(unknown)}; "
@@ -74,14 +76,10 @@ def _check_kwargs(where: str, fn: Any, kwargs: dict, skip: int = 0) -> None:
 
 
 def _list_plugins(plugins: Plugins) -> None:
-    from rich.console import Console
-    from rich.table import Table
-    table = Table("plugin", "distribution", "version", "hooks", "provides")
     for name, meta in plugins.info.items():
         provides = ", ".join(f"{k}:{e}" for (k, e), p in plugins.owner.items() if p == name)
-        table.add_row(name, meta["distribution"], meta["version"],
-                      ", ".join(plugins.hooks_of(name)), provides)
-    Console().print(table)
+        print(f"{name}  ({meta['distribution']} {meta['version']})\n"
+              f"    hooks:    {', '.join(plugins.hooks_of(name))}\n    provides: {provides}")
 
 
 def main(argv: list[str] | None = None) -> int:

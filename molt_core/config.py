@@ -140,7 +140,7 @@ def _type_ok(value: Any, tp: Any) -> bool:
 def from_dict(cls: type, data: Any, where: str = "") -> Any:
     """Build dataclass `cls` from a plain dict, rejecting unknown keys and wrong types."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
+        raise ConfigError(f"config section '{where or 'config'}': expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.name != "plugins"]
     kwargs = {}

@@ -32,3 +32,16 @@ def ray_local() -> Iterator[object]:
         finally:
             ray.shutdown()
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def tiny_recipe(tmp_path: Path, tiny_model_dir: Path) -> str:
+    """The CPU toy recipe pointed at the tiny model."""
+    import yaml
+
+    data = yaml.safe_load(open(Path(__file__).parents[1] / "recipes/cpu/next_letter.yaml"))
+    data["model"]["path"] = str(tiny_model_dir)
+    data["out_dir"] = str(tmp_path / "runs")
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)

@@ -67,7 +67,7 @@ def test_chat_template(tok):
     assert text.endswith("<|im_start|>assistant\nThe answer is 5.<|im_end|>\n")
     ids = tok.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=True, return_dict=False)
     assert tok.decode(ids) == text
-    assert ids.count(tok.convert_tokens_to_ids("<tool_call>")) == 2  # the tools prompt + the call
+    assert ids.count(tok.convert_tokens_to_ids("<tool_call>")) == 3  # twice in the tools prompt, once in the call
     # Generation prompt: the rendered history plus the assistant header is a prefix of the reply.
     for k in (2, 4):
         prompt = tok.apply_chat_template(CONVERSATION[:k], tools=TOOLS, tokenize=False,

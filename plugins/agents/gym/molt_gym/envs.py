@@ -43,7 +43,7 @@ class NextLetter(Env):
         first = action.strip()[:1]
         if first == target:
             reward = 1.0
-        elif first in string.ascii_lowercase:
+        elif first and first in string.ascii_lowercase:
             reward = 0.5 * max(0.0, 1.0 - abs(ord(first) - ord(target)) / self.window)
         else:
             reward = 0.0

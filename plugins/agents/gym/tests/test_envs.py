@@ -1,0 +1,35 @@
+"""The toy environments' rewards (the learning and masking tests live in tests/)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from molt_gym import GuessNumber, NextLetter
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_next_letter_shaped_reward():
+    env = NextLetter(window=4)
+    obs = run(env.reset(7))
+    target = chr(ord(env.letter) + 1)
+    assert obs == f"next letter after {env.letter}?"
+    assert run(env.step(f" {target}"))[1] == 1.0
+    near = chr(ord(target) + 1) if target != "z" else "y"
+    assert run(env.step(near))[1] == 0.5 * (1 - 1 / 4)
+    assert run(env.step("7"))[1] == 0.0
+    assert run(env.step(""))[1] == 0.0
+
+
+def test_guess_number_feedback_and_reward():
+    env = GuessNumber(1, 8)
+    run(env.reset(3))
+    s = env.secret
+    if s > 1:
+        assert run(env.step("1"))[:3] == ("higher", 0.0, False)
+    if s < 8:
+        assert run(env.step("9"))[:3] == ("lower", 0.0, False)
+    assert run(env.step(str(s)))[1:3] == (1.0, True)
+    assert run(env.step("x"))[1:3] == (0.0, True)

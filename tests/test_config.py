@@ -1,0 +1,64 @@
+"""Config loading, overrides and the bad-config errors (before any process starts)."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import yaml
+
+from molt_core.cli import main
+from molt_core.config import ConfigError, load_config
+
+RECIPE = "recipes/cpu/next_letter.yaml"
+
+
+@pytest.fixture
+def recipe(tmp_path, tiny_model_dir):
+    def write(**changes):
+        data = yaml.safe_load(open(RECIPE))
+        data["model"]["path"] = str(tiny_model_dir)
+        for key, value in changes.items():
+            node = data
+            *parents, last = key.split("__")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[last] = value
+        path = tmp_path / "recipe.yaml"
+        path.write_text(yaml.safe_dump(data))
+        return str(path)
+    return write
+
+
+def test_overrides_are_typed(recipe):
+    cfg = load_config(recipe(), ["trainer.steps=7", "sampling.temperature=0.5", "seed=3",
+                                 "agent.args.env=guess_number"])
+    assert (cfg.trainer.steps, cfg.sampling.temperature, cfg.seed) == (7, 0.5, 3)
+    assert cfg.agent.args["env"] == "guess_number"
+
+
+@pytest.mark.parametrize("change, override, message", [
+    ({}, "trainer.stepz=3", "unknown config key 'trainer.stepz'; valid keys here: backend"),
+    ({}, "trainer.steps=abc", "config key 'trainer.steps' must be int, got 'abc'"),
+    ({}, "trainer.steps=0", "trainer.steps must be > 0"),
+    ({}, "model.path=/nonexistent/model", "model.path '/nonexistent/model' has no config.json"),
+    ({"model__path": ""}, None, "model.path is missing"),
+    ({}, "algorithm.loss_args.clip_lo=0.1", "does not accept clip_lo; it accepts: clip_high, clip_low"),
+    ({}, "algorithm.estimator=nope", "unknown estimator 'nope'; valid: grpo"),
+])
+def test_bad_config_is_one_clear_error_and_starts_nothing(recipe, capsys, change, override, message):
+    args = ["run", recipe(**change)] + ([override] if override else [])
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert err.count("error:") == 1
+    assert not ray.is_initialized()
+
+
+def test_wrong_section_type(recipe):
+    with pytest.raises(ConfigError, match="section 'trainer': expected a mapping"):
+        load_config(recipe(trainer=5))
+
+
+def test_validate_ok(recipe, capsys):
+    assert main(["validate", recipe()]) == 0
+    assert "ok:" in capsys.readouterr().out

@@ -1,0 +1,56 @@
+"""Invariant 1 (token identity) checks, fed violations."""
+
+from __future__ import annotations
+
+import pytest
+
+from molt_core.trajectory import Completion, InvariantError, Trajectory, collate
+
+
+def good() -> Trajectory:
+    t = Trajectory()
+    t.add_prompt([5, 6, 7])
+    t.add_completion(Completion([8, 9], [-0.5, -1.0], [3, 3]))
+    return t
+
+
+def test_good_trajectory_collates():
+    t = good()
+    t.check(vocab_size=16)
+    b = collate([t, good()], [[1.0] * 5, [2.0] * 5])
+    assert b["loss_mask"][0].tolist() == [False, False, False, True, True]
+    assert b["versions"][0].tolist() == [-1, -1, -1, 3, 3]
+
+
+def test_logprob_count_must_match_sampled_tokens():
+    with pytest.raises(InvariantError, match="2 token ids but 1 log-probs"):
+        Completion([8, 9], [-0.5], [3, 3])
+
+
+def test_trainable_token_not_sampled_by_engine():
+    t = good()
+    t.loss_mask[1] = True      # a prompt token marked trainable: no sampling record
+    with pytest.raises(InvariantError, match="position 1 has no sampling record"):
+        t.check(16)
+
+
+def test_out_of_range_token():
+    t = good()
+    t.token_ids[0] = 16
+    with pytest.raises(InvariantError, match="token id 16 at position 0 is outside"):
+        t.check(16)
+    t.token_ids[0] = -1
+    with pytest.raises(InvariantError, match="outside the vocabulary"):
+        t.check(16)
+
+
+def test_length_mismatch():
+    t = good()
+    t.versions.pop()
+    with pytest.raises(InvariantError, match="versions has 4 entries for 5 tokens"):
+        t.check(16)
+
+
+def test_collate_rejects_wrong_advantage_length():
+    with pytest.raises(InvariantError, match="advantages for trajectory 0"):
+        collate([good()], [[1.0]])
