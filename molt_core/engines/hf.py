@@ -74,6 +74,7 @@ class HFEngine:
                        "prefills": 0, "prefill_tokens": 0, "weight_updates": 0}
 
     async def generate(self, prompt_ids: list[int], sampling: dict) -> Completion:
+        """Sample a completion; `sampling` gives every key of SAMPLING_KEYS (+ stop_token_ids)."""
         sampling = dict(sampling)
         stop = sampling.pop("stop_token_ids", None)
         missing = [k for k in SAMPLING_KEYS if k not in sampling]
@@ -87,7 +88,8 @@ class HFEngine:
             raise ValueError(f"max_new_tokens must be >= 1, got {sampling['max_new_tokens']}")
         if not prompt_ids or len(prompt_ids) >= self.max_positions:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; it needs 1 to "
-                             f"{self.max_positions - 1} (max_position_embeddings {self.max_positions})")
+                             f"{self.max_positions - 1} (max_position_embeddings "
+                             f"{self.max_positions})")
         self._bind_loop()
         req = _Request([int(t) for t in prompt_ids], sampling,
                        frozenset(stop) if stop is not None else self.default_stop_ids,
@@ -108,8 +110,13 @@ class HFEngine:
         if self._update_version is None:
             self._can_run.set()
 
-    async def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copy one bucket into the model by HF name; decoding stays blocked until `finish_weight_update`."""
+    async def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]],
+                             version: int) -> None:
+        """Copy one bucket into the model by HF name.
+
+        The first bucket blocks decoding until `finish_weight_update(version)` succeeds; a bucket
+        that fails validation copies nothing but leaves the update open (still blocking).
+        """
         self._bind_loop()
         if self._update_version is None:
             self._update_version, self._updated = version, set()
@@ -120,11 +127,12 @@ class HFEngine:
         for name, tensor in named_tensors:
             param = self._params.get(name)
             if param is None:
-                raise ValueError(f"unknown parameter '{name}' in weight update to version {version}; "
-                               f"engine parameters: {', '.join(sorted(self._canonical.values()))}")
+                raise ValueError(f"unknown parameter '{name}' in weight update to version "
+                                 f"{version}; engine parameters: "
+                                 f"{', '.join(sorted(self._canonical.values()))}")
             if tuple(tensor.shape) != tuple(param.shape) or tensor.dtype != param.dtype:
-                raise ValueError(f"parameter '{name}': engine has {tuple(param.shape)} {param.dtype}, "
-                                 f"update sent {tuple(tensor.shape)} {tensor.dtype}")
+                raise ValueError(f"parameter '{name}': engine has {tuple(param.shape)} "
+                                 f"{param.dtype}, update sent {tuple(tensor.shape)} {tensor.dtype}")
         with torch.no_grad():
             for name, tensor in named_tensors:
                 self._params[name].copy_(tensor)
