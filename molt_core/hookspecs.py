@@ -94,11 +94,14 @@ def molt_configure(cfg: Config) -> None:
 
 
 @hookspec
-def molt_filter_batch(groups: list[list[Trajectory]], step: int) -> list[list[Trajectory]] | None:
+def molt_filter_batch(groups: list[list[Trajectory]], step: int,
+                      refill: Callable[[int], list[list[Trajectory]]]
+                      ) -> list[list[Trajectory]] | None:
     """Filter or reshape the groups of a training batch before advantages are computed.
 
-    Return the new list of groups, or None to leave it unchanged. Implementations are chained:
-    each receives the previous one's result.
+    `refill(n)` generates `n` more complete groups (blocking), so a filter can keep the batch
+    size (e.g. DAPO dynamic sampling). Return the new list of groups, or None to leave it
+    unchanged. Implementations are chained: each receives the previous one's result.
     """
 
 

@@ -1,8 +1,8 @@
-"""Trainer backend `fsdp2`: an HF causal LM sharded with torch `fully_shard`, one Ray actor per rank.
+"""Trainer backend `fsdp2`: an HF causal LM sharded with torch `fully_shard`, a Ray actor per rank.
 
-`PolicyWorker` is one rank (gloo on CPU, NCCL on CUDA). `Policy` is the driver-side handle: it splits
-a collated batch evenly across ranks, counts the step's global normalisers and merges rank metrics.
-World size 1 runs the same FSDP2 code path as world size N.
+`PolicyWorker` is one rank (gloo on CPU, NCCL on CUDA). `Policy` is the driver-side handle: it
+splits a collated batch evenly across ranks, counts the step's global normalisers and merges the
+ranks' metrics. World size 1 runs the same FSDP2 code path as world size N.
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import functools
 import math
 import socket
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import ray
 import torch
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM
 
 from molt_core import weight_sync
@@ -46,7 +48,7 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     h, targets = hidden[rows, cols], input_ids[rows, cols + 1]                   # [N, H], [N]
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=hidden.device)
     if rows.numel() == 0:
-        # Every rank must give lm_head a gradient, or FSDP reduce-scatters differ in size and hang.
+        # Stay in the graph so backward, and with it FSDP's reduce-scatters, runs on every rank.
         return out + 0.0 * model.lm_head(hidden[:1, 0]).float().sum()
 
     def piece(h_c: torch.Tensor, t_c: torch.Tensor) -> torch.Tensor:
@@ -54,8 +56,7 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
         return logits.log_softmax(-1).gather(-1, t_c[:, None]).squeeze(-1)
 
     grad = torch.is_grad_enabled()
-    pieces = [torch.utils.checkpoint.checkpoint(piece, h[s:s + chunk], targets[s:s + chunk],
-                                                use_reentrant=False) if grad
+    pieces = [checkpoint(piece, h[s:s + chunk], targets[s:s + chunk], use_reentrant=False) if grad
               else piece(h[s:s + chunk], targets[s:s + chunk])
               for s in range(0, rows.numel(), chunk)]
     return out.index_put((rows, cols + 1), torch.cat(pieces))
@@ -71,16 +72,21 @@ class PolicyWorker:
         torch.manual_seed(seed)
         self.rank, self.world_size, self.cfg = rank, world_size, trainer
         cuda = torch.cuda.is_available()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
+        self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
+        dist.init_process_group("nccl" if cuda else "gloo",
+                                init_method=f"tcp://{master_addr}:{master_port}",
                                 rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=trainer["timeout_s"]))
         mesh = init_device_mesh(self.device.type, (world_size,))
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype]).to(self.device)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
+        model.to(self.device)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        # The root owns embed/norm/lm_head: they are gathered only inside a registered forward method.
+        # A param without grad on one rank (unrouted expert, idle lm_head) must not shrink its
+        # reduce-scatter: unequal collectives hang.
+        model.set_reduce_scatter_unused_params(True)
+        # The root owns embed/norm/lm_head: gathered only inside a registered forward method.
         model.molt_token_logprobs = functools.partial(token_logprobs, model)
         register_fsdp_forward_method(model, "molt_token_logprobs")
         self.model = model
@@ -101,8 +107,9 @@ class PolicyWorker:
         return mbs
 
     def _logprobs(self, mb: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
-        return self.model.molt_token_logprobs(mb["input_ids"], mb["attention_mask"], mb["loss_mask"],
-                                              temperature, self.cfg["logprob_chunk"])
+        return self.model.molt_token_logprobs(mb["input_ids"], mb["attention_mask"],
+                                              mb["loss_mask"], temperature,
+                                              self.cfg["logprob_chunk"])
 
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, loss_args: dict,
                    loss_agg: str, num_tokens: int, num_seqs: int, temperature: float
@@ -117,7 +124,7 @@ class PolicyWorker:
             per_token, metrics = loss_fn(lp, mb["behavior_logprobs"], mb["advantages"], mask,
                                          **loss_args)
             loss = aggregate(per_token, mask, loss_agg, num_tokens, num_seqs)
-            # FSDP2 averages gradients over ranks; x world_size makes the step's gradient sum/global count.
+            # FSDP2 averages grads over ranks; x world_size makes the step's grad sum/global count.
             (loss * self.world_size).backward()
             loss_total += float(loss.detach())
             with torch.no_grad():
@@ -157,17 +164,17 @@ class PolicyWorker:
         self.model.reshard()            # the root keeps its params gathered after forward
         return out
 
-    def _named_full_tensors(self):
+    def _named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.model.named_parameters():
             yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
 
     def full_params(self) -> dict[str, torch.Tensor]:
         """Gathered parameters by HF name (a collective: call on every rank)."""
-        return {n: t.cpu().clone() for n, t in self._named_full_tensors()}
+        return {n: t.cpu() for n, t in self._named_full_tensors()}
 
     def push_weights(self, engines: list, version: int, bucket_bytes: int, timeout_s: float
                      ) -> dict[str, Any]:
-        """Gather every parameter (all ranks) and send dtype-preserving buckets to engines (rank 0)."""
+        """Gather every parameter (all ranks); rank 0 sends dtype-preserving buckets to engines."""
         t0 = time.perf_counter()
         total, buckets, bucket, size = 0, 0, [], 0
 
@@ -183,7 +190,7 @@ class PolicyWorker:
             if bucket and size + nbytes > bucket_bytes:
                 send(bucket)
                 buckets, bucket, size = buckets + 1, [], 0
-            bucket.append((name, t.cpu().clone()))
+            bucket.append((name, t.cpu()))    # ray.put copies: no clone needed
             size += nbytes
             total += nbytes
         if self.rank != 0:
@@ -197,7 +204,7 @@ class PolicyWorker:
 
 
 def _wait(refs: list, engines: list, timeout_s: float, what: str) -> list:
-    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     if pending:
         late = [f"engine {i} ({engines[i]})" for i, r in enumerate(refs) if r in pending]
         raise TimeoutError(f"weight sync: {', '.join(late)} did not finish {what} within "
@@ -232,10 +239,12 @@ class Policy:
                  seed: int = 0, num_threads: int = 1) -> None:
         self.cfg = trainer_cfg
         n = trainer_cfg.num_ranks
-        actor = ray.remote(PolicyWorker).options(num_cpus=0, num_gpus=1 if torch.cuda.is_available() else 0)
+        actor = ray.remote(PolicyWorker).options(
+            num_cpus=0, num_gpus=1 if torch.cuda.is_available() else 0)
         port = _free_port()
         self.workers = [actor.remote(r, n, "127.0.0.1", port, model_path, dtype=dtype,
-                                     trainer=asdict(trainer_cfg), seed=seed, num_threads=num_threads)
+                                     trainer=asdict(trainer_cfg), seed=seed,
+                                     num_threads=num_threads)
                         for r in range(n)]
         try:
             ray.get([w.ready.remote() for w in self.workers], timeout=trainer_cfg.timeout_s)
@@ -251,8 +260,12 @@ class Policy:
         batch = _pad_rows(batch, per * n - B)
         return [{k: v[r * per:(r + 1) * per] for k, v in batch.items()} for r in range(n)]
 
-    def _get(self, refs: list) -> list:
-        return ray.get(refs, timeout=self.cfg.timeout_s)
+    def _get(self, refs: list, what: str) -> list:
+        try:
+            return ray.get(refs, timeout=self.cfg.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"trainer {what} did not finish within {self.cfg.timeout_s}s "
+                               "(trainer.timeout_s)") from None
 
     def train(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, loss_args: dict | None = None,
               loss_agg: str = "token-mean", temperature: float = 1.0) -> dict[str, float]:
@@ -261,10 +274,11 @@ class Policy:
         num_tokens, num_seqs = int(mask.sum()), int(mask.any(-1).sum())
         outs = self._get([w.train_step.remote(part, loss_fn, loss_args or {}, loss_agg, num_tokens,
                                               num_seqs, temperature)
-                          for w, part in zip(self.workers, self._split(batch))])
+                          for w, part in zip(self.workers, self._split(batch))], "train_step")
         metrics = {"loss": sum(o["loss"] for o in outs), "grad_norm": outs[0]["grad_norm"]}
         for k in outs[0]["sums"]:
-            metrics[k] = sum(o["sums"][k] for o in outs) / max(sum(o["counts"][k] for o in outs), 1.0)
+            count = sum(o["counts"][k] for o in outs)
+            metrics[k] = sum(o["sums"][k] for o in outs) / max(count, 1.0)
         for group, reduce in (("max", max), ("time", max)):
             for k in outs[0][group]:
                 metrics[k] = reduce(o[group][k] for o in outs)
@@ -274,11 +288,12 @@ class Policy:
         """[B, T] trainer log-probs at trainable positions, 0 elsewhere."""
         B = batch["input_ids"].shape[0]
         parts = self._get([w.logprobs.remote(p, temperature)
-                           for w, p in zip(self.workers, self._split(batch))])
+                           for w, p in zip(self.workers, self._split(batch))], "logprobs")
         return torch.cat(parts)[:B]
 
     def full_params(self) -> dict[str, torch.Tensor]:
-        return self._get([w.full_params.remote() for w in self.workers])[0]
+        """Gathered parameters by HF name."""
+        return self._get([w.full_params.remote() for w in self.workers], "full_params")[0]
 
     def push_weights(self, engines: list, version: int) -> dict[str, Any]:
         return weight_sync.push(self.workers, engines, version,

@@ -229,3 +229,17 @@ def test_ray_actor(tiny_model_dir, model, ray_local):
         assert stats["requests"] == len(PROMPTS) + 1 and stats["version"] == 3
     finally:
         ray.kill(engine)
+
+
+def test_cancelled_request_does_not_disturb_the_wave(tiny_model_dir):
+    async def main():
+        engine = HFEngine(str(tiny_model_dir))
+        doomed = asyncio.create_task(engine.generate(PROMPTS[0], sampling(max_new_tokens=50)))
+        kept = asyncio.create_task(engine.generate(PROMPTS[1], sampling(max_new_tokens=50)))
+        await _wait_tokens(engine, 4)
+        doomed.cancel()
+        return await kept, await engine.stats()
+
+    c, stats = run(main())
+    assert len(c.token_ids) == 50 and stats["requests"] == 1
+    assert stats["tokens_generated"] < 100

@@ -33,9 +33,8 @@ def ppo_clip(logprobs, behavior_logprobs, advantages, mask, clip: float = 0.2):
                        "ratio_mean": masked_mean(ratio.detach(), mask)}
 
 
-def reference_logprobs(model_path: str, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Plain full-vocab forward of the unsharded HF model: [B, T], 0 where not trainable."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+def reference_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Plain full-vocab forward of an unsharded HF model: [B, T], 0 where not trainable."""
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     lp = logits[:, :-1].log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
@@ -61,7 +60,7 @@ def make_batch(model_path: str, B: int = B_ROWS, T: int = 20, seed: int = 0
             batch["loss_mask"][i, prompt:n] = True
         batch["advantages"][i, :n] = torch.randn((), generator=g)
     batch["versions"][batch["loss_mask"]] = 0
-    ref = reference_logprobs(model_path, batch)
+    ref = reference_logprobs(AutoModelForCausalLM.from_pretrained(model_path), batch)
     noise = 0.05 * torch.randn(B, T, generator=g)
     batch["behavior_logprobs"] = (ref + noise).clamp(max=0) * batch["loss_mask"]
     return batch
@@ -75,49 +74,6 @@ def assert_params_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
     assert a.keys() == b.keys()
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst <= atol, f"max parameter difference {worst}"
-
-
-def test_two_ranks_match_one_rank(ray_local, model_path):
-    batch = make_batch(model_path)
-    p1, p2 = start(model_path, num_ranks=1), start(model_path, num_ranks=2, logprob_chunk=3)
-    try:
-        m1 = p1.train(batch, ppo_clip, {"clip": 0.2}, "token-mean")
-        m2 = p2.train(batch, ppo_clip, {"clip": 0.2}, "token-mean")
-        for k in ("loss", "grad_norm", "clipfrac", "ratio_mean", "mismatch/kl", "mismatch/max_abs"):
-            assert m1[k] == pytest.approx(m2[k], abs=1e-5), k
-        assert m1["mismatch/max_abs"] == pytest.approx(0.05 * 3, abs=0.15)   # the injected noise
-        assert {"train/fwd_bwd_s", "train/optim_s"} <= m1.keys()
-        assert_params_close(p1.full_params(), p2.full_params())
-    finally:
-        p1.shutdown()
-        p2.shutdown()
-
-
-def test_chunked_logprobs_match_full_forward(ray_local, model_path):
-    batch = make_batch(model_path)
-    ref = reference_logprobs(model_path, batch)
-    policy = start(model_path, num_ranks=2, logprob_chunk=3, micro_batch_size=2)
-    try:
-        lp = policy.logprobs(batch)
-    finally:
-        policy.shutdown()
-    assert lp.shape == ref.shape
-    assert (lp[~batch["loss_mask"]] == 0).all()
-    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
-def test_micro_batches_do_not_change_the_update(ray_local, model_path, loss_agg):
-    batch = make_batch(model_path)
-    one, three = start(model_path, micro_batch_size=B_ROWS), start(model_path, micro_batch_size=3)
-    try:
-        m1 = one.train(batch, ppo_clip, {}, loss_agg)
-        m3 = three.train(batch, ppo_clip, {}, loss_agg)
-        assert m1["loss"] == pytest.approx(m3["loss"], abs=1e-6)
-        assert_params_close(one.full_params(), three.full_params())
-    finally:
-        one.shutdown()
-        three.shutdown()
 
 
 @ray.remote(num_cpus=0)
@@ -148,36 +104,90 @@ class StandInEngine:
         return self.version, {k: v.detach().clone() for k, v in self.params.items()}, self.dtypes
 
 
-def test_push_weights_after_a_step(ray_local, model_path):
-    batch = make_batch(model_path)
-    policy = start(model_path, num_ranks=2, weight_sync_bucket_mb=0.05, weight_sync_timeout_s=30.0)
+@pytest.fixture(scope="module")
+def cluster(ray_local, model_path):
+    """Started together (actor start-up is mostly imports): three policies and two engines.
+
+    one: 1 rank, one micro-batch; micro: 1 rank, micro-batches of 3 rows; two: 2 ranks, one row
+    per micro-batch (so some micro-batches hold no trainable token), lm_head chunks of 3 tokens.
+    """
     engines = [StandInEngine.remote(model_path) for _ in range(2)]
-    try:
-        policy.train(batch, ppo_clip, {}, "token-mean")
-        t0 = time.perf_counter()
-        stats = policy.push_weights(engines, version=1)
-        print(f"push: {stats} ({time.perf_counter() - t0:.3f}s incl. RPC)")
-        assert stats["buckets"] > 1
-        trainer = policy.full_params()
-        for e in engines:
-            version, params, dtypes = ray.get(e.state.remote())
-            assert version == 1
-            assert params.keys() == trainer.keys()
-            assert all(dtypes[k] == trainer[k].dtype for k in trainer)
-            assert_params_close(params, trainer, atol=0.0)
-    finally:
-        policy.shutdown()
-        for e in engines:
-            ray.kill(e)
+    policies = {"one": start(model_path, micro_batch_size=64),
+                "micro": start(model_path, micro_batch_size=3, weight_sync_timeout_s=1.0),
+                "two": start(model_path, num_ranks=2, micro_batch_size=1, logprob_chunk=3,
+                             weight_sync_bucket_mb=0.05)}
+    ray.get([e.state.remote() for e in engines])
+    yield policies, engines
+    for p in policies.values():
+        p.shutdown()
+    for e in engines:
+        ray.kill(e)
 
 
-def test_push_to_stalled_engine_times_out_clearly(ray_local, model_path):
-    policy = start(model_path, num_ranks=2, weight_sync_timeout_s=1.0, timeout_s=20.0)
+@pytest.fixture(scope="module")
+def trained(cluster, model_path):
+    """Two identical optimizer steps on every policy (token-mean, then seq-mean-token-mean)."""
+    policies, _ = cluster
+    metrics = {name: [] for name in policies}
+    for seed, agg in ((0, "token-mean"), (1, "seq-mean-token-mean")):
+        batch = make_batch(model_path, seed=seed)
+        for name, p in policies.items():
+            metrics[name].append(p.train(batch, ppo_clip, {"clip": 0.2}, agg))
+    params = {name: p.full_params() for name, p in policies.items()}
+    return metrics, params
+
+
+def test_two_ranks_match_one_rank(trained):
+    metrics, params = trained
+    for m1, m2 in zip(metrics["one"], metrics["two"]):
+        for k in ("loss", "grad_norm", "clipfrac", "ratio_mean", "mismatch/kl", "mismatch/max_abs"):
+            assert m1[k] == pytest.approx(m2[k], abs=1e-5), k
+        assert {"train/fwd_bwd_s", "train/optim_s"} <= m1.keys()
+    assert 0 < metrics["one"][0]["mismatch/max_abs"] < 0.3          # the injected noise
+    assert_params_close(params["one"], params["two"])
+
+
+def test_micro_batches_do_not_change_the_update(trained):
+    metrics, params = trained
+    for m1, m3 in zip(metrics["one"], metrics["micro"]):
+        assert m1["loss"] == pytest.approx(m3["loss"], abs=1e-6)
+    assert_params_close(params["one"], params["micro"])
+
+
+def test_chunked_logprobs_match_full_forward(cluster, trained, model_path):
+    policies, _ = cluster
+    batch = make_batch(model_path, seed=2)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(trained[1]["two"], strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}     # tied to embed_tokens
+    ref = reference_logprobs(model, batch)
+    lp = policies["two"].logprobs(batch)
+    assert lp.shape == ref.shape
+    assert (lp[~batch["loss_mask"]] == 0).all()
+    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=0)
+
+
+def test_push_weights_after_training(cluster, trained):
+    policies, engines = cluster
+    t0 = time.perf_counter()
+    stats = policies["two"].push_weights(engines, version=2)
+    print(f"push: {stats} ({time.perf_counter() - t0:.3f}s incl. RPC)")
+    assert stats["buckets"] > 1
+    trainer = trained[1]["two"]
+    for e in engines:
+        version, params, dtypes = ray.get(e.state.remote())
+        assert version == 2
+        assert params.keys() == trainer.keys()
+        assert all(dtypes[k] == trainer[k].dtype for k in trainer)
+        assert_params_close(params, trainer, atol=0.0)
+
+
+def test_push_to_stalled_engine_times_out_clearly(cluster, model_path):
+    policies, engines = cluster
     stalled = StandInEngine.remote(model_path, stall_s=60.0)
     try:
         ray.get(stalled.state.remote())
-        with pytest.raises(TimeoutError, match=r"engine 0 .*update_weights.*within 1.0s"):
-            policy.push_weights([stalled], version=1)
+        with pytest.raises(TimeoutError, match=r"engine 1 .*update_weights.*within 1.0s"):
+            policies["micro"].push_weights([engines[0], stalled], version=3)
     finally:
-        policy.shutdown()
         ray.kill(stalled)

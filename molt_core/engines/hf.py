@@ -2,7 +2,8 @@
 
 Our own loop (not `model.generate`) so that decoding can pause between steps, weights can be
 swapped under in-flight requests, and every sampled token is stamped with the weight version that
-sampled it. Works as a plain object inside asyncio and as a Ray async actor (`ray.remote(HFEngine)`).
+sampled it. Works as a plain object inside asyncio and as a Ray async actor
+(`ray.remote(HFEngine)`).
 
 Requests wait in a queue; a background task takes a wave of requests with identical sampling
 parameters, left-pads and prefills them, then decodes step by step, yielding to the event loop
@@ -146,7 +147,7 @@ class HFEngine:
         self._bind_loop()
         missing = [n for i, n in self._canonical.items() if i not in self._updated]
         if missing:
-            # The update stays open (decoding blocked): the sender may send the rest and finish again.
+            # The update stays open (decoding blocked): the sender may send the rest, then finish.
             raise RuntimeError(f"weight update to version {version} did not assign "
                                f"{len(missing)} parameter(s): {', '.join(missing)}")
         self._version, self._update_version = version, None
@@ -218,6 +219,8 @@ class HFEngine:
             tokens, logprobs = self._sample(logits, seen, s)
             seen[torch.arange(len(rows)), tokens] = True
             for r, t, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
+                if r.finish_reason is None and r.future.cancelled():  # the caller gave up
+                    r.finish_reason = "abort"
                 if r.finish_reason is not None:
                     continue
                 r.tokens.append(t)
@@ -231,12 +234,14 @@ class HFEngine:
                     r.finish_reason = "length"
                 if r.finish_reason is not None:
                     self._stats["requests"] += 1
-                    r.future.set_result(Completion(r.tokens, r.logprobs, r.versions, r.finish_reason))
+                    r.future.set_result(
+                        Completion(r.tokens, r.logprobs, r.versions, r.finish_reason))
             if all(r.finish_reason is not None for r in rows):
                 return
             # Finished rows keep decoding a pad token (ignored) so the batch shape stays fixed.
-            next_ids = torch.tensor([[self.pad_id if r.finish_reason else r.tokens[-1]] for r in rows],
-                                    device=self.device)
+            next_ids = torch.tensor(
+                [[self.pad_id if r.finish_reason else r.tokens[-1]] for r in rows],
+                device=self.device)
             mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
             pos = pos + 1
             await asyncio.sleep(0)
