@@ -1,4 +1,4 @@
-"""`molt run | validate | plugins | tiny-model`."""
+"""`molt run | validate | plugins | tiny-model | new-plugin`."""
 
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("out_dir")
     tiny.add_argument("--arch", default="qwen3", choices=["qwen3", "qwen3_moe"])
     tiny.add_argument("--seed", type=int, default=0)
+    new = sub.add_parser("new-plugin", help="generate a plugin package (pyproject, module, test)")
+    new.add_argument("name", help="plugin (entry-point) name, a lowercase identifier")
+    new.add_argument("--kind", required=True, choices=["estimator", "agent", "rollout"])
+    new.add_argument("--dir", default=".", help="parent directory of the package (default: .)")
     for s in (*(sub.choices[n] for n in ("run", "validate")), pl):
         s.add_argument("--plugin", action="append", default=[], metavar="NAME",
                        help="load and select a plugin (entry-point name or module path)")
@@ -91,6 +95,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "tiny-model":
             from molt_core.tiny import build_tiny_model
             print(build_tiny_model(args.out_dir, arch=args.arch, seed=args.seed))
+            return 0
+        if args.cmd == "new-plugin":
+            from molt_core.scaffold import new_plugin
+            try:
+                root = new_plugin(args.name, args.kind, args.dir)
+            except (ValueError, FileExistsError) as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            print(f"created {root}\nnext: pip install -e {root} && pytest {root}/tests && "
+                  f"molt run RECIPE --plugin {args.name}")
             return 0
         if args.cmd == "plugins":
             _list_plugins(build_plugins(args.plugin, args.blocked))

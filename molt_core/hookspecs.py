@@ -43,6 +43,16 @@ def molt_losses() -> dict[str, Callable]:
 
 
 @hookspec
+def molt_rewards() -> dict[str, Callable]:
+    """Register reward functions (used by environments and agents, not by the trainer).
+
+    Returns `{name: fn}` with `fn(response: str, answer: str, **kwargs) -> (reward: float, info:
+    dict)`; `info` says why (e.g. `{"reason": "timeout"}`). A reward function never raises on bad
+    model output: it returns 0.0 with a reason.
+    """
+
+
+@hookspec
 def molt_agents() -> dict[str, Callable]:
     """Register agent types.
 
@@ -108,3 +118,13 @@ def molt_filter_batch(groups: list[list[Trajectory]], step: int,
 @hookspec
 def molt_on_step_end(step: int, metrics: dict[str, Any]) -> None:
     """Called after each training step with its metrics (may add entries to `metrics`)."""
+
+
+@hookspec
+def molt_chat_agents() -> dict[str, type]:
+    """Register chat agents for the `chat` agent (plugin `molt-agent-chat`).
+
+    Returns `{name: cls}`: a `molt_chat.ChatAgent` subclass with `async run(ctx) -> float |
+    list[float]`; `agent.args.agent` picks it and `agent.args.agent_args` are its constructor
+    arguments. One instance per rollout.
+    """

@@ -31,6 +31,7 @@ KINDS = {
     "trainer_backend": ("molt_trainer_backends", "trainer.backend"),
     "rollout_scheme": ("molt_rollout_schemes", "rollout.scheme"),
     "config_section": ("molt_config_sections", None),
+    "reward": ("molt_rewards", None),
 }
 
 

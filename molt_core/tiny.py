@@ -14,7 +14,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast,
                           Qwen3Config, Qwen3MoeConfig)
 
-__all__ = ["ARCHS", "CHAT_TEMPLATE", "SPECIAL_TOKENS", "build_tiny_model", "build_tokenizer"]
+__all__ = ["ARCHS", "CHAT_TEMPLATE", "SPECIAL_TOKENS", "build_char_tokenizer", "build_tiny_model",
+           "build_tokenizer"]
 
 ARCHS = ("qwen3", "qwen3_moe")
 PAD, EOS = "<|endoftext|>", "<|im_end|>"
@@ -96,14 +97,32 @@ def build_tokenizer(vocab_size: int = 512, extra_corpus: Sequence[str] = ()) -> 
     return hf
 
 
+def build_char_tokenizer(charset: str) -> PreTrainedTokenizerFast:
+    """One token per character of `charset` (plus the special tokens and <unk>): a tiny action
+    space for toy recipes that a random-init policy must explore from scratch."""
+    chars = list(dict.fromkeys(charset + "\n"))
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + ["<unk>"] + chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD,
+                                 unk_token="<unk>", additional_special_tokens=SPECIAL_TOKENS[1:],
+                                 model_max_length=512)
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
 def build_tiny_model(out_dir: str | Path, arch: str = "qwen3", *, hidden_size: int = 64,
                      num_layers: int = 2, seed: int = 0, vocab_size: int = 512,
-                     extra_corpus: Sequence[str] = ()) -> Path:
-    """Write a random-init fp32 model + tokenizer + generation_config to `out_dir`; return it."""
+                     extra_corpus: Sequence[str] = (), charset: str | None = None) -> Path:
+    """Write a random-init fp32 model + tokenizer + generation_config to `out_dir`; return it.
+
+    `charset` switches to a character-level tokenizer over those characters (vocab_size is then
+    the tokenizer's size)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown tiny-model arch '{arch}'; valid: {', '.join(ARCHS)}")
     out = Path(out_dir)
-    tok = build_tokenizer(vocab_size, extra_corpus)
+    tok = build_char_tokenizer(charset) if charset else build_tokenizer(vocab_size, extra_corpus)
+    vocab_size = len(tok) if charset else vocab_size
     if len(tok) > vocab_size:
         raise ValueError(f"tokenizer has {len(tok)} tokens, more than vocab_size={vocab_size}")
     pad_id, eos_id = tok.convert_tokens_to_ids([PAD, EOS])

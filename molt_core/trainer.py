@@ -46,8 +46,8 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                 groups = scheme.next_batch(step)
                 t_gen = time.perf_counter() - t0
                 for impl in reversed(plugins.hook.molt_filter_batch.get_hookimpls()):
-                    groups = impl.function(groups=groups, step=step,
-                                           refill=generator.generate) or groups
+                    kw = {"groups": groups, "step": step, "refill": generator.generate}
+                    groups = impl.function(**{k: kw[k] for k in impl.argnames}) or groups
                 trajs = [t for g in groups for t in g]
                 rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
                 group_index = torch.tensor([t.group_id for t in trajs])

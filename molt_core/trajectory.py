@@ -76,6 +76,19 @@ class Trajectory:
     def num_trainable(self) -> int:
         return sum(self.loss_mask)
 
+    def split_segments(self) -> list[Trajectory]:
+        """One trajectory per segment: each is a separate training sequence (its tokens never
+        attend to another segment's). They share ids, reward, turn rewards, truncation and info."""
+        bounds = sorted(set(self.segments) | {0}) + [len(self)]
+        out = []
+        for a, b in zip(bounds, bounds[1:]):
+            if a == b:
+                continue
+            out.append(Trajectory(self.group_id, self.rollout_id, self.token_ids[a:b],
+                                  self.loss_mask[a:b], self.logprobs[a:b], self.versions[a:b],
+                                  [0], self.reward, self.turn_rewards, self.truncated, self.info))
+        return out
+
     def check(self, vocab_size: int | None = None) -> None:
         """Raise `InvariantError` naming the first violated invariant."""
         n = len(self.token_ids)

@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM
 from molt_core.algos import masked_mean
 from molt_core.config import TrainerConfig
 from molt_core.policy import Policy
-from molt_core.tiny import build_tiny_model
 
 # Workers cannot import this test module: ship its functions (the loss) by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -22,8 +21,8 @@ B_ROWS = 7          # odd: the 2-rank policy pads one dummy row
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> str:
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen3"))
+def model_path(tiny_model_dir) -> str:
+    return str(tiny_model_dir)
 
 
 def ppo_clip(logprobs, behavior_logprobs, advantages, mask, clip: float = 0.2):
@@ -150,7 +149,8 @@ def test_two_ranks_match_one_rank(trained):
 def test_micro_batches_do_not_change_the_update(trained):
     metrics, params = trained
     for m1, m3 in zip(metrics["one"], metrics["micro"]):
-        assert m1["loss"] == pytest.approx(m3["loss"], abs=1e-6)
+        for k in ("loss", "grad_norm"):     # Adam hides gradient scale: compare the norm too
+            assert m1[k] == pytest.approx(m3[k], abs=1e-6), k
     assert_params_close(params["one"], params["micro"])
 
 

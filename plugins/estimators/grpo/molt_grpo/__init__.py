@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from molt_core import hookimpl
-from molt_core.algos import group_stats
+from molt_core.algos import clipped_surrogate, group_stats
 
 __all__ = ["grpo_advantages", "ppo_clip_loss"]
 
@@ -26,10 +26,8 @@ def ppo_clip_loss(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor,
     All tensors [B, T]; returns the per-token loss and per-token metrics.
     """
     ratio = torch.exp(logprobs - behavior_logprobs)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    loss = torch.maximum(unclipped, clipped)
-    return loss, {"clip_fraction": (clipped > unclipped).float(), "ratio": ratio.detach()}
+    loss, clipped = clipped_surrogate(ratio, advantages, clip_low, clip_high)
+    return loss, {"clip_fraction": clipped.float(), "ratio": ratio.detach()}
 
 
 @hookimpl

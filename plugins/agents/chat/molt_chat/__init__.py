@@ -1,0 +1,120 @@
+"""Chat agents: ordinary programs that talk to the policy through the stock OpenAI/Anthropic SDKs.
+
+A `ChatAgent` owns its loop: `run(ctx)` calls `openai.AsyncOpenAI(base_url=ctx.base_url,
+api_key=ctx.api_key)` (or `anthropic.AsyncAnthropic(base_url=ctx.anthropic_base_url, ...)`) as
+often as it likes and returns a reward, or one reward per turn. The `chat` agent factory opens a
+session on the process's loopback chat server (`molt_core.chat_server`), runs the agent, closes
+the session and returns its token-exact `Trajectory`.
+
+Rewards: a float is the rollout's reward. A list is per-turn: `traj.turn_rewards` keeps it
+(`traj.info["turn_spans"]` holds each model call's token span, so a list with one reward per model
+call lines up with the spans), and `traj.reward` is its sum — what estimators without per-turn
+support use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import AutoConfig
+
+from molt_core import hookimpl
+from molt_core.chat_server import shared_server
+from molt_core.generator import RolloutContext
+from molt_core.trajectory import Trajectory
+
+__all__ = ["ChatAgent", "ChatContext", "ChatRunner"]
+
+
+@dataclass
+class ChatContext:
+    """What a chat agent gets for one rollout."""
+    task: int                       # task index: seed for the agent's problem
+    group_id: int
+    rollout_id: int
+    base_url: str                   # OpenAI SDK base_url (…/v1)
+    anthropic_base_url: str         # Anthropic SDK base_url (the SDK appends /v1/messages)
+    api_key: str                    # this session's bearer token (also accepted as x-api-key)
+    model: str = "molt-policy"      # any string; the server serves the policy under every name
+    info: dict[str, Any] = field(default_factory=dict)   # merged into the trajectory's info
+
+
+class ChatAgent:
+    """Subclass and implement `run`. Constructor keyword arguments come from `agent_args`."""
+
+    async def run(self, ctx: ChatContext) -> float | list[float]:
+        """Talk to the policy at `ctx.base_url`; return the reward (or one reward per turn)."""
+        raise NotImplementedError
+
+
+class ChatRunner:
+    """The `chat` agent: `agent.args = {agent: NAME, agent_args: {...}, max_segments: N}`.
+
+    `max_segments` drops (as an agent error) rollouts whose template re-rendered history more
+    than N-1 times; set 1 while the trainer cannot split segments (`Trajectory.split_segments`).
+    """
+
+    def __init__(self, cfg: Any, tokenizer: Any, plugins: Any, *, agent: str,
+                 agent_args: dict | None = None, max_segments: int | None = None) -> None:
+        registry = _chat_agents(plugins)
+        if agent not in registry:
+            raise ValueError(f"unknown chat agent '{agent}'; valid: "
+                             f"{', '.join(sorted(registry)) or '(none)'} (register one with the "
+                             "molt_chat_agents hook)")
+        self.agent_cls = registry[agent]
+        self.agent_args = agent_args or {}
+        self.tok = tokenizer
+        self.max_segments = max_segments
+        self.max_context = AutoConfig.from_pretrained(
+            cfg.model.path).get_text_config().max_position_embeddings
+
+    async def rollout(self, ctx: RolloutContext) -> Trajectory:
+        agent = self.agent_cls(**self.agent_args)
+        server = await shared_server()
+        session = server.open_session(self.tok, ctx.generate, ctx.sampling,
+                                      max_context=self.max_context)
+        chat = ChatContext(ctx.task, ctx.group_id, ctx.rollout_id, session.base_url,
+                           session.anthropic_base_url, session.api_key)
+        try:
+            result = await agent.run(chat)
+        finally:
+            traj = server.close_session(session)
+        if not len(traj):
+            raise RuntimeError(f"chat agent '{type(agent).__name__}' made no model call: "
+                               "nothing to train on")
+        if self.max_segments is not None and len(traj.segments) > self.max_segments:
+            raise RuntimeError(f"rollout has {len(traj.segments)} segments (the chat template "
+                               f"re-rendered history); agent.args.max_segments="
+                               f"{self.max_segments}")
+        if isinstance(result, (list, tuple)):
+            traj.turn_rewards = [float(r) for r in result]
+            traj.reward = sum(traj.turn_rewards)
+        else:
+            traj.reward = float(result)
+        traj.info.update(chat.info)
+        return traj
+
+
+def _chat_agents(plugins: Any) -> dict[str, type]:
+    """Merge `molt_chat_agents` results; a name registered twice is an error naming both."""
+    out: dict[str, type] = {}
+    owner: dict[str, str] = {}
+    for impl in plugins.hook.molt_chat_agents.get_hookimpls():
+        for name, cls in (impl.function() or {}).items():
+            if name in out:
+                raise ValueError(f"chat agent '{name}' is registered by both plugin "
+                                 f"'{owner[name]}' and plugin '{impl.plugin_name}'")
+            out[name], owner[name] = cls, impl.plugin_name
+    return out
+
+
+@hookimpl
+def molt_agents() -> dict:
+    return {"chat": ChatRunner}
+
+
+@hookimpl
+def molt_chat_agents() -> dict:
+    from molt_chat.calculator import Calculator
+    return {"calculator": Calculator}

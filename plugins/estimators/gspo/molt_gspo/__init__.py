@@ -1,0 +1,39 @@
+"""GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization"): sequence-level ratio and clip.
+
+s_i = (pi(y_i|x) / pi_old(y_i|x))^(1/|y_i|) = exp(mean_t (log pi - log pi_old)) is the
+length-normalised (geometric-mean) sequence ratio; the objective is
+J = 1/G sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i), so a whole sequence is
+clipped or not. Written per token in the paper's GSPO-token form,
+s_{i,t} = sg(s_i) * pi(y_t) / sg(pi(y_t)): its value is s_i at every token and its gradient
+s_i * grad log pi(y_t), so with `algorithm.loss_agg: seq-mean-token-mean` the aggregated loss and
+its gradient are exactly GSPO's. The clip range is tiny because s_i is a per-token geometric
+mean (paper: 3e-4 / 4e-4). Pair with group-normalised advantages (`grpo`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from molt_core import hookimpl
+from molt_core.algos import clipped_surrogate
+
+__all__ = ["gspo_loss"]
+
+
+def gspo_loss(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advantages: torch.Tensor,
+              mask: torch.Tensor, *, clip_low: float = 3e-4, clip_high: float = 4e-4
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token GSPO loss [B, T]: the sequence's clipped objective broadcast to its tokens."""
+    m = mask.to(logprobs.dtype)
+    log_ratio = (logprobs - behavior_logprobs) * m
+    seq_log_ratio = log_ratio.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
+    # value s_i at every token, gradient s_i * d log pi(y_t)
+    ratio = torch.exp(seq_log_ratio.detach() + logprobs - logprobs.detach())            # [B, T]
+    loss, clipped = clipped_surrogate(ratio, advantages, clip_low, clip_high)
+    return loss * m, {"clip_fraction": clipped.float(),
+                      "seq_ratio": torch.exp(seq_log_ratio.detach()).expand_as(logprobs)}
+
+
+@hookimpl
+def molt_losses() -> dict:
+    return {"gspo": gspo_loss}

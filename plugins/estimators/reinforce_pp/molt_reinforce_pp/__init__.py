@@ -1,0 +1,33 @@
+"""REINFORCE++ (Hu, 2025): no critic, no group baseline; advantages whitened over the batch.
+
+With one outcome reward per rollout (no per-token KL penalty in the reward) the return of every
+token is the rollout's reward, so whitening the returns over the global batch is whitening the
+rewards over the batch's rollouts. The paper whitens over tokens, which weights long responses
+more; the estimator sees rewards only, so here each rollout counts once.
+`group_baseline=True` is REINFORCE++-baseline: subtract the group mean first, then whiten over
+the batch. Pair it with the `ppo_clip` loss (as the paper does).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from molt_core import hookimpl
+from molt_core.algos import group_stats, masked_whiten
+
+__all__ = ["reinforce_pp_advantages"]
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, group_index: torch.Tensor, *,
+                            group_baseline: bool = False, eps: float = 1e-8) -> torch.Tensor:
+    """A_i = (x_i - mean_batch(x)) / (std_batch(x) + eps), x = r (or r - mean_g(r)). [R] -> [R]"""
+    x = rewards
+    if group_baseline:
+        mean, _, _ = group_stats(rewards, group_index)
+        x = rewards - mean
+    return masked_whiten(x, torch.ones_like(x, dtype=torch.bool), eps=eps)
+
+
+@hookimpl
+def molt_estimators() -> dict:
+    return {"reinforce_pp": reinforce_pp_advantages}

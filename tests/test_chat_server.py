@@ -1,0 +1,379 @@
+"""Loopback chat server: real openai/anthropic SDKs, real uvicorn, real HFEngine on the tiny model.
+
+Token identity is checked against a recorder around the engine's `generate` (the ids the engine
+returned, in call order). Tool-call tests use a tiny model imprinted in-test (a few SFT steps) to
+emit a fixed Hermes tool call, because a random-init model never emits valid JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from molt_core.chat_server import ChatServer, parse_tool_calls
+from molt_core.engines.hf import HFEngine
+from molt_core.trajectory import Completion
+
+TOOL = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                   "required": ["expression"]}}}
+ANTHROPIC_TOOL = {"name": "calculator", "description": "Evaluate an arithmetic expression",
+                  "input_schema": TOOL["function"]["parameters"]}
+QUESTION = "What is 3 + 4? Use the calculator."
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 + 4"}}\n</tool_call>'
+ANSWER = "The answer is 7."
+
+# Thinking template in the style of reasoning models: the generation prompt opens `<think>`, and
+# earlier assistant turns are re-rendered without their reasoning (text up to `</think>`).
+THINK_TEMPLATE = """\
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}
+{{- '<|im_start|>assistant\\n' + message.content.split('</think>')[-1] + '<|im_end|>\\n' }}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}
+"""
+
+
+def sampling(tok, **kw) -> dict:
+    # Stop on <|im_end|> only, so every reply ends the way the template renders it.
+    return {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+            "max_new_tokens": 12, "stop_token_ids": [tok.convert_tokens_to_ids("<|im_end|>")], **kw}
+
+
+class Recorder:
+    """The engine's generate, recording every Completion it returned (in order)."""
+
+    def __init__(self, engine: HFEngine) -> None:
+        self.engine, self.calls = engine, []
+
+    async def __call__(self, prompt_ids: list[int], sampling: dict) -> Completion:
+        c = await self.engine.generate(prompt_ids, sampling)
+        self.calls.append((list(prompt_ids), c))
+        return c
+
+
+def runs(traj) -> list[tuple[bool, list[int], list[float]]]:
+    """Split a trajectory into maximal runs of equal loss_mask: (trainable, ids, logprobs)."""
+    out = []
+    for i, (t, m, lp) in enumerate(zip(traj.token_ids, traj.loss_mask, traj.logprobs)):
+        if out and out[-1][0] == m and i not in traj.segments:
+            out[-1][1].append(t)
+            out[-1][2].append(lp)
+        else:
+            out.append((m, [t], [lp]))
+    return out
+
+
+def decode(tok, ids) -> str:
+    return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def assert_token_exact(tok, traj, rec: Recorder, rendered: list[str]) -> None:
+    """Trainable runs are exactly the engine's completions; each masked run decodes to the part
+    of the template rendering that the previous tokens did not already cover."""
+    traj.check(len(tok))
+    parts = runs(traj)
+    trainable = [p for p in parts if p[0]]
+    assert [p[1] for p in trainable] == [c.token_ids for _, c in rec.calls]
+    assert [p[2] for p in trainable] == [c.logprobs for _, c in rec.calls]
+    masked = [p for p in parts if not p[0]]
+    assert len(masked) == len(rendered)
+    covered = ""
+    seg = 0
+    k = 0
+    for i, (m, ids, _) in enumerate(parts):
+        start = sum(len(p[1]) for p in parts[:i])
+        if start in traj.segments:
+            covered, seg = "", seg + 1
+        if m:
+            covered += decode(tok, ids)
+        else:
+            assert rendered[k].startswith(covered)
+            assert decode(tok, ids) == rendered[k][len(covered):]
+            covered = rendered[k]
+            k += 1
+    # What the engine saw for each call is the trajectory's current segment up to that point.
+    for prompt, c in rec.calls:
+        pos = next(i for i in range(len(traj)) if traj.token_ids[i:i + len(c.token_ids)]
+                   == c.token_ids and traj.loss_mask[i])
+        seg_start = max(s for s in traj.segments if s <= pos)
+        assert traj.token_ids[seg_start:pos] == prompt
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def started() -> ChatServer:
+    server = ChatServer()
+    await server.start()
+    return server
+
+
+def render(tok, messages, tools=None) -> str:
+    return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+
+
+def test_openai_multi_turn_token_exact(tiny_model_dir, tok):
+    async def main():
+        server, rec = await started(), Recorder(HFEngine(str(tiny_model_dir), seed=1))
+        s = server.open_session(tok, rec, sampling(tok), max_context=512)
+        client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+        messages, rendered = [{"role": "system", "content": "be brief"}], []
+        for turn in range(3):
+            messages.append({"role": "user", "content": f"question {turn}"})
+            rendered.append(render(tok, messages))
+            r = await client.chat.completions.create(model="policy", messages=messages)
+            assert r.usage.completion_tokens == len(rec.calls[-1][1].token_ids)
+            messages.append(r.choices[0].message.model_dump(exclude_none=True))
+        await client.close()
+        traj = server.close_session(s)
+        await server.close()
+        return traj, rec, rendered
+
+    traj, rec, rendered = run(main())
+    assert traj.segments == [0] and len(rec.calls) == 3
+    assert_token_exact(tok, traj, rec, rendered)
+
+
+def test_anthropic_multi_turn_token_exact(tiny_model_dir, tok):
+    async def main():
+        server, rec = await started(), Recorder(HFEngine(str(tiny_model_dir), seed=2))
+        s = server.open_session(tok, rec, sampling(tok), max_context=512)
+        client = anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key=s.api_key,
+                                          max_retries=0)
+        messages, rendered = [], []
+        for turn in range(3):
+            messages.append({"role": "user", "content": [{"type": "text", "text": f"q{turn}"}]})
+            rendered.append(render(tok, [{"role": "system", "content": "be brief"}]
+                                   + [{"role": m["role"], "content": m["content"][0]["text"]}
+                                      for m in messages]))
+            r = await client.messages.create(model="policy", system="be brief", max_tokens=10,
+                                             messages=messages)
+            assert r.usage.output_tokens == len(rec.calls[-1][1].token_ids) <= 10
+            messages.append({"role": "assistant", "content": [b.model_dump() for b in r.content]})
+        await client.close()
+        traj = server.close_session(s)
+        await server.close()
+        return traj, rec, rendered
+
+    traj, rec, rendered = run(main())
+    assert traj.segments == [0] and len(rec.calls) == 3
+    assert_token_exact(tok, traj, rec, rendered)
+
+
+def test_reasoning_dropping_template_segments_and_retry(tiny_model_dir, tok):
+    think_tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    think_tok.chat_template = THINK_TEMPLATE
+
+    async def main():
+        server, rec = await started(), Recorder(HFEngine(str(tiny_model_dir), seed=3))
+        s = server.open_session(think_tok, rec, sampling(tok), max_context=512)
+        client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+        messages, rendered = [{"role": "user", "content": "first"}], []
+        rendered.append(render(think_tok, messages))
+        r1 = await client.chat.completions.create(model="p", messages=messages)
+        messages += [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "second"}]
+        rendered.append(render(think_tok, messages))
+        r2 = await client.chat.completions.create(model="p", messages=messages)
+        n_tokens, n_calls = len(s.trajectory), len(rec.calls)
+        again = await client.chat.completions.create(model="p", messages=messages)
+        assert again.model_dump() == r2.model_dump()
+        assert (len(s.trajectory), len(rec.calls), s.requests) == (n_tokens, n_calls, 3)
+        await client.close()
+        traj = server.close_session(s)
+        await server.close()
+        return traj, rec, rendered
+
+    traj, rec, rendered = run(main())
+    assert len(traj.segments) == 2 and len(rec.calls) == 2
+    assert_token_exact(think_tok, traj, rec, rendered)
+    # The second segment is a fresh rendering: it starts with the template's first message.
+    seg1 = traj.token_ids[traj.segments[1]:]
+    assert decode(tok, seg1).startswith(rendered[1])
+    parts = traj.split_segments()
+    assert [len(p) for p in parts] == [traj.segments[1], len(traj) - traj.segments[1]]
+    for p in parts:
+        p.check(len(tok))
+
+
+def test_context_overflow_returns_length_and_truncates(tiny_model_dir, tok):
+    async def main():
+        server, rec = await started(), Recorder(HFEngine(str(tiny_model_dir)))
+        s = server.open_session(tok, rec, sampling(tok), max_context=40)
+        client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+        r = await client.chat.completions.create(
+            model="p", messages=[{"role": "user", "content": "hello " * 50}])
+        await client.close()
+        traj = server.close_session(s)
+        await server.close()
+        return r, traj, rec
+
+    r, traj, rec = run(main())
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.content == ""
+    assert traj.truncated and not rec.calls and len(traj) == 0
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(tiny_model_dir, tok, tmp_path_factory) -> Path:
+    """The tiny model, imprinted to call the calculator for QUESTION, then answer."""
+    from molt_chat.imprint import imprint
+
+    q = [{"role": "user", "content": QUESTION}]
+    p1 = render(tok, q, [TOOL])
+    done = q + [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function",
+                "function": {"name": "calculator", "arguments": '{"expression": "3 + 4"}'}}]},
+                {"role": "tool", "tool_call_id": "c", "content": "7"}]
+    p2 = render(tok, done, [TOOL])
+    return imprint(tiny_model_dir, tmp_path_factory.mktemp("calc"),
+                   [(p1, CALL + "<|im_end|>"), (p2, ANSWER + "<|im_end|>")], tol=0.005)
+
+
+def test_tool_calls_round_trip_both_sdks(tool_model_dir, tok):
+    cold = sampling(tok, temperature=0.05, max_new_tokens=40)
+
+    async def openai_side(server, rec):
+        s = server.open_session(tok, rec, cold, max_context=512)
+        client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+        messages = [{"role": "user", "content": QUESTION}]
+        r = await client.chat.completions.create(model="p", messages=messages, tools=[TOOL])
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
+        (call,) = msg.tool_calls
+        assert call.function.name == "calculator"
+        assert json.loads(call.function.arguments) == {"expression": "3 + 4"}
+        messages += [msg.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "7"}]
+        r = await client.chat.completions.create(model="p", messages=messages, tools=[TOOL])
+        assert r.choices[0].message.content == ANSWER
+        await client.close()
+        return server.close_session(s)
+
+    async def anthropic_side(server, rec):
+        s = server.open_session(tok, rec, cold, max_context=512)
+        client = anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key=s.api_key,
+                                          max_retries=0)
+        messages = [{"role": "user", "content": QUESTION}]
+        r = await client.messages.create(model="p", max_tokens=40, messages=messages,
+                                         tools=[ANTHROPIC_TOOL])
+        assert r.stop_reason == "tool_use"
+        (use,) = r.content
+        assert (use.type, use.name, use.input) == ("tool_use", "calculator", {"expression": "3 + 4"})
+        messages += [{"role": "assistant", "content": [b.model_dump() for b in r.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                   "content": "7"}]}]
+        r = await client.messages.create(model="p", max_tokens=40, messages=messages,
+                                         tools=[ANTHROPIC_TOOL])
+        assert r.content[0].text == ANSWER and r.stop_reason == "end_turn"
+        await client.close()
+        return server.close_session(s)
+
+    async def main():
+        server = await started()
+        engine = HFEngine(str(tool_model_dir))
+        recs = [Recorder(engine), Recorder(engine)]
+        trajs = await asyncio.gather(openai_side(server, recs[0]), anthropic_side(server, recs[1]))
+        await server.close()
+        return trajs, recs
+
+    trajs, recs = run(main())
+    for traj, rec in zip(trajs, recs):
+        assert traj.segments == [0], "the echoed tool call re-renders exactly as sampled"
+        assert decode(tok, rec.calls[0][1].token_ids) == CALL + "<|im_end|>"
+        parts = runs(traj)
+        assert [p[0] for p in parts] == [False, True, False, True]
+        assert [p[1] for p in parts if p[0]] == [c.token_ids for _, c in rec.calls]
+        tool_text = decode(tok, parts[2][1])
+        assert "<tool_response>\n7\n</tool_response>" in tool_text and not parts[2][0]
+
+
+def test_parse_tool_calls_keeps_raw_arguments():
+    text = 'ok\n<tool_call>\n{"name": "f", "arguments": {"a":1,  "b": [2]}}\n</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content == "ok" and calls == [("f", '{"a":1,  "b": [2]}', {"a": 1, "b": [2]})]
+    assert parse_tool_calls("<tool_call>not json</tool_call>") == (
+        "<tool_call>not json</tool_call>", [])
+
+
+def _post(url: str, headers: dict) -> int:
+    req = urllib.request.Request(url, data=json.dumps({"model": "p", "messages": [
+        {"role": "user", "content": "hi"}]}).encode(), headers={"content-type": "application/json",
+                                                                 **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _other_addresses() -> list[str]:
+    addrs = {"127.0.0.2"}   # another loopback address: a 127.0.0.1-only bind refuses it
+    try:
+        addrs |= {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
+    except OSError:
+        pass
+    return sorted(a for a in addrs if a != "127.0.0.1")
+
+
+def test_auth_unknown_session_and_loopback_only(tiny_model_dir, tok):
+    async def main():
+        server, rec = await started(), Recorder(HFEngine(str(tiny_model_dir)))
+        s = server.open_session(tok, rec, sampling(tok, max_new_tokens=2), max_context=512)
+        other = server.open_session(tok, rec, sampling(tok), max_context=512)
+        url = s.base_url + "/chat/completions"
+        codes = {
+            "none": await asyncio.to_thread(_post, url, {}),
+            "bad": await asyncio.to_thread(_post, url, {"authorization": "Bearer nope"}),
+            "other_session_key": await asyncio.to_thread(
+                _post, url, {"authorization": f"Bearer {other.api_key}"}),
+            "unknown": await asyncio.to_thread(
+                _post, f"{server.url}/s/nosuch/v1/chat/completions",
+                {"authorization": f"Bearer {s.api_key}"}),
+            "ok": await asyncio.to_thread(_post, url, {"authorization": f"Bearer {s.api_key}"}),
+            "anthropic_ok": await asyncio.to_thread(
+                _post, s.anthropic_base_url + "/v1/messages", {"x-api-key": s.api_key}),
+        }
+        bad = openai.AsyncOpenAI(base_url=s.base_url, api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await bad.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}])
+        server.close_session(s)
+        good = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+        with pytest.raises(openai.NotFoundError):   # closed sessions are gone
+            await good.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}])
+        refused = {}
+        for addr in _other_addresses():
+            try:
+                socket.create_connection((addr, server.port), timeout=2).close()
+                refused[addr] = False
+            except OSError:
+                refused[addr] = True
+        bound = server._sock.getsockname()[0]
+        await bad.close()
+        await good.close()
+        await server.close()
+        return codes, refused, bound
+
+    codes, refused, bound = run(main())
+    assert codes == {"none": 401, "bad": 401, "other_session_key": 401, "unknown": 404,
+                     "ok": 200, "anthropic_ok": 200}
+    assert bound == "127.0.0.1"
+    assert refused and all(refused.values()), refused
