@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 PLUGINS := $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/*/pyproject.toml))
-TINY := .cache/tiny-qwen3
+TINY := .cache/tiny-chars
 RECIPE ?= recipes/cpu/next_letter.yaml
 
 .PHONY: install install-test run test bench clean
@@ -28,7 +28,7 @@ $(VENV)/.installed-test: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 $(TINY)/config.json: | install
-	$(BIN)/molt tiny-model $(TINY)
+	$(BIN)/molt tiny-model $(TINY) --chars
 
 run: install $(TINY)/config.json
 	$(BIN)/molt run $(RECIPE)

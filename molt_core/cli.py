@@ -12,6 +12,8 @@ from molt_core.plugins import KINDS, PluginError, Plugins, build_plugins
 
 __all__ = ["load", "main"]
 
+CHARSET = "abcdefghijklmnopqrstuvwxyz0123456789 ?!.,:;+-*/=()"
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="molt", description="Reinforcement learning for LLM agents.")
@@ -25,6 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("out_dir")
     tiny.add_argument("--arch", default="qwen3", choices=["qwen3", "qwen3_moe"])
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--chars", action="store_true",
+                      help="character-level tokenizer (a ~50-token action space for toy recipes)")
     new = sub.add_parser("new-plugin", help="generate a plugin package (pyproject, module, test)")
     new.add_argument("name", help="plugin (entry-point) name, a lowercase identifier")
     new.add_argument("--kind", required=True, choices=["estimator", "agent", "rollout"])
@@ -94,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "tiny-model":
             from molt_core.tiny import build_tiny_model
-            print(build_tiny_model(args.out_dir, arch=args.arch, seed=args.seed))
+            charset = CHARSET if args.chars else None
+            print(build_tiny_model(args.out_dir, arch=args.arch, seed=args.seed, charset=charset))
             return 0
         if args.cmd == "new-plugin":
             from molt_core.scaffold import new_plugin

@@ -52,7 +52,10 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                 rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
                 group_index = torch.tensor([t.group_id for t in trajs])
                 adv = estimator(rewards, group_index, **cfg.algorithm.estimator_args)
-                batch = collate(trajs, [[float(a)] * len(t) for a, t in zip(adv, trajs)],
+                # A segment is its own training row (it never attends to another segment's
+                # tokens) carrying its rollout's advantage.
+                rows = [(s, float(a)) for t, a in zip(trajs, adv) for s in t.split_segments()]
+                batch = collate([s for s, _ in rows], [[a] * len(s) for s, a in rows],
                                 pad_id=tokenizer.pad_token_id or 0)
                 t1 = time.perf_counter()
                 metrics = policy.train(batch, loss_fn, cfg.algorithm.loss_args,

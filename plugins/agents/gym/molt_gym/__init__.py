@@ -11,10 +11,14 @@ from typing import Any
 
 from molt_core import hookimpl
 from molt_core.generator import RolloutContext
-from molt_core.trajectory import InvariantError, Trajectory
+from molt_core.trajectory import Trajectory
 from molt_gym.envs import Env, GuessNumber, NextLetter, Observation
 
 __all__ = ["Env", "GymAgent", "GuessNumber", "NextLetter"]
+
+class TemplateMismatch(RuntimeError):
+    """The rendered history no longer starts with the tokens already captured."""
+
 
 def _messages(obs: Observation) -> list[dict]:
     return [{"role": "user", "content": obs}] if isinstance(obs, str) else list(obs)
@@ -25,14 +29,19 @@ class GymAgent:
 
     def __init__(self, cfg: Any, tokenizer: Any, plugins: Any, *, env: str,
                  env_args: dict | None = None, max_turns: int = 1,
-                 system_prompt: str | None = None) -> None:
+                 system_prompt: str | None = None, chat_template: bool = True) -> None:
         self.env_cls = plugins.get("env", env)
         self.env_args = env_args or {}
         self.max_turns = max_turns
         self.system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        self.chat_template = chat_template
         self.tok = tokenizer
 
     def render(self, messages: list[dict]) -> str:
+        """The whole conversation as text, ending where the policy speaks next. Without a chat
+        template (base-model style) it is the plain concatenation of the turns."""
+        if not self.chat_template:
+            return "".join(m["content"] for m in messages)
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     async def rollout(self, ctx: RolloutContext) -> Trajectory:
@@ -45,19 +54,23 @@ class GymAgent:
         for turn in range(self.max_turns):
             completion = await ctx.generate(traj.token_ids, ctx.sampling)
             traj.add_completion(completion)
-            covered += self.tok.decode(completion.token_ids)
+            sampled = self.tok.decode(completion.token_ids)
+            covered += sampled
             action = self.tok.decode(completion.token_ids, skip_special_tokens=True)
             obs, reward, done, info = await env.step(action)
             rewards.append(float(reward))
             traj.info.update(info)
             if done or obs is None or turn == self.max_turns - 1:
                 break
-            messages += [{"role": "assistant", "content": action}, *_messages(obs)]
+            # The history keeps the reply as sampled (special tokens included, minus the closing
+            # eos the template adds itself) so that re-rendering reproduces `covered` exactly.
+            reply = sampled.removesuffix(self.tok.eos_token) if self.chat_template else sampled
+            messages += [{"role": "assistant", "content": reply}, *_messages(obs)]
             rendered = self.render(messages)
             if not rendered.startswith(covered):
-                raise InvariantError("the chat template re-renders earlier turns differently, so "
-                                     "the env reply cannot be appended token-exactly; use a "
-                                     "prefix-stable template or the chat agent (segments)")
+                raise TemplateMismatch("the chat template re-renders earlier turns differently, "
+                                       "so the env reply cannot be appended token-exactly; use a "
+                                       "prefix-stable template or the chat agent (segments)")
             traj.add_prompt(self.tok(rendered[len(covered):], add_special_tokens=False).input_ids)
             covered = rendered
         traj.reward, traj.turn_rewards = sum(rewards), rewards

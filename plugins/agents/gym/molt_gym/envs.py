@@ -23,20 +23,18 @@ class Env:
 
 
 class NextLetter(Env):
-    """"next letter after c?" -> "d". Single turn, judged on the reply's first character.
+    """"after c" -> "d". Single turn, judged on the reply's first character.
 
-    Why a random-init model learns it in minutes: the answer is one token out of ~26 plausible
-    ones, there are only 25 prompts, and the reward is shaped (a near miss earns partial credit
-    that shrinks with the alphabet distance), so a group of 8 samples almost always carries a
-    reward difference to learn from.
+    Reward: 1 for the right letter; a near miss (distance d < window) earns 0.1 + 0.5 (1 - d/window);
+    any other letter 0.1 (format credit); anything else 0.
     """
 
-    def __init__(self, letters: str = string.ascii_lowercase[:25], window: int = 4) -> None:
+    def __init__(self, letters: str = "abcdefgh", window: int = 2) -> None:
         self.letters, self.window = letters, window
 
     async def reset(self, seed: int) -> Observation:
         self.letter = random.Random(seed).choice(self.letters)
-        return f"next letter after {self.letter}?"
+        return f"after {self.letter}"
 
     async def step(self, action: str) -> tuple[None, float, bool, dict]:
         target = chr(ord(self.letter) + 1)
@@ -44,7 +42,7 @@ class NextLetter(Env):
         if first == target:
             reward = 1.0
         elif first and first in string.ascii_lowercase:
-            reward = 0.5 * max(0.0, 1.0 - abs(ord(first) - ord(target)) / self.window)
+            reward = 0.1 + 0.5 * max(0.0, 1.0 - abs(ord(first) - ord(target)) / self.window)
         else:
             reward = 0.0
         return None, reward, True, {"correct": first == target}

