@@ -45,3 +45,11 @@ def tiny_recipe(tmp_path: Path, tiny_model_dir: Path) -> str:
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(data))
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_chars_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The CPU recipe's model: tiny Qwen3 with a character-level tokenizer."""
+    from molt_core.cli import CHARSET
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "chars", "qwen3", charset=CHARSET)
