@@ -99,6 +99,13 @@ class HFEngine:
         self._wakeup.set()
         return await req.future
 
+    async def generate_batch(self, prompts: list[list[int]], samplings: list[dict]
+                             ) -> list[Completion | Exception]:
+        """Many requests in one call (one RPC instead of one per request); a failed request
+        returns its exception in place."""
+        return await asyncio.gather(*(self.generate(p, s) for p, s in zip(prompts, samplings)),
+                                    return_exceptions=True)
+
     async def pause(self) -> None:
         """Stop after the current decode step; in-flight requests keep their state."""
         self._bind_loop()

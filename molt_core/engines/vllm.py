@@ -61,12 +61,17 @@ class MoltWorkerExtension:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         model = self._molt_model()
-        self._molt_params = [n for n, _ in model.named_parameters()]
+        # Layers that own a parameter under its first (canonical) name must be fully assigned;
+        # a tied alias (lm_head = embed_tokens) or a buffer-only layer (rotary cache) need not.
+        canonical = {n for n, _ in model.named_parameters()}
+        self._molt_layers = [name for name, m in model.named_modules()
+                             if any(f"{name}.{p}".lstrip(".") in canonical
+                                    for p, _ in m.named_parameters(recurse=False))]
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
         self._molt_loaded: set[str] = set()
         self._molt_open = True
-        return len(self._molt_params)
+        return len(canonical)
 
     def molt_load_bucket(self, path: str) -> dict[str, float]:
         """Load one bucket (a safetensors file of HF-named tensors) through `load_weights`."""
@@ -94,10 +99,11 @@ class MoltWorkerExtension:
 
         model = self._molt_model()
         missing = []
-        for name, layer in model.named_modules():
+        for name in self._molt_layers:
+            layer = model.get_submodule(name)
             info = LAYERWISE_INFO.get(layer)
             if info is None or not info.can_load() or is_deferred_attention_layer(layer):
-                continue
+                continue    # processed: every element was loaded
             if info.load_numel_total and info.load_numel < info.load_numel_total:
                 missing.append(f"{name or '<root>'} ({info.load_numel}/{info.load_numel_total} "
                                "elements)")
