@@ -42,9 +42,10 @@ def test_algorithm_recipes_validate(tmp_path, tiny_model_dir, name):
 
 
 def test_dapo_options_are_a_checked_config_section(tiny_recipe):
-    cfg, _ = load(tiny_recipe, ["dapo.overlong_buffer=2"], ["dapo"])
+    four = "sampling.max_new_tokens=4"
+    cfg, _ = load(tiny_recipe, [four, "dapo.overlong_buffer=2"], ["dapo"])
     assert cfg.plugins["dapo"].overlong_buffer == 2
     with pytest.raises(ConfigError, match="unknown config key 'dapo.buffer'"):
         load(tiny_recipe, ["dapo.buffer=2"], ["dapo"])
     with pytest.raises(ConfigError, match="overlong_buffer"):
-        load(tiny_recipe, ["dapo.overlong_buffer=4"], ["dapo"])     # = max_new_tokens
+        load(tiny_recipe, [four, "dapo.overlong_buffer=4"], ["dapo"])     # = max_new_tokens

