@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["aggregate", "clipped_surrogate", "entropy_from_logits", "group_stats", "kl_estimate",
-           "masked_mean", "masked_whiten"]
+__all__ = ["CORRECTIONS", "aggregate", "clipped_surrogate", "entropy_from_logits", "group_stats",
+           "is_correction", "kl_estimate", "masked_mean", "masked_whiten"]
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -108,3 +108,55 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     logits = logits.float()
     p = torch.softmax(logits, -1)
     return torch.logsumexp(logits, -1) - (p * logits).sum(-1)
+
+
+# Off-policy correction modes and their thresholds (`algorithm.correction`, `correction_args`).
+CORRECTIONS: dict[str, dict[str, float]] = {
+    "none": {},
+    "tis": {"cap": 2.0},                       # truncated IS: w -> min(w, cap)
+    "icepop": {"low": 0.5, "high": 2.0},       # token masking outside [low, high]
+    "mis": {"low": 0.5, "high": 2.0},          # sequence geometric-mean masking
+}
+
+
+def is_correction(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask: torch.Tensor,
+                  mode: str, **thresholds: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token weight [B, T] that corrects a loss computed against the proximal policy for
+    sampling by the behavior policy (the engine, possibly stale weights or other kernels).
+
+    With w_t = exp(logprobs_t - behavior_logprobs_t) (`logprobs` are detached: the trainer's
+    pre-update log-probs, the proximal policy with one optimizer step per batch):
+      tis:    weight_t = min(w_t, cap)                                  (token-level truncated IS)
+      icepop: weight_t = 1[low <= w_t <= high]                          (token masking, IcePop)
+      mis:    weight_t = 1[low <= exp(mean_{s in seq} log w_s) <= high] (whole sequence masked)
+      none:   weight_t = 1
+    The weight is 0 outside `mask`. Metrics ([B, T], averaged over trainable tokens):
+    `is_filtered_fraction` (tokens whose weight was zeroed), `is_truncated_fraction` (TIS tokens
+    whose w exceeded the cap), `is_weight` (the weight applied).
+    """
+    if mode not in CORRECTIONS:
+        raise ValueError(f"unknown off-policy correction '{mode}'; valid: {', '.join(CORRECTIONS)}")
+    unknown = set(thresholds) - set(CORRECTIONS[mode])
+    if unknown:
+        raise ValueError(f"correction '{mode}' takes {sorted(CORRECTIONS[mode])}, got {sorted(unknown)}")
+    th = {**CORRECTIONS[mode], **thresholds}
+    m = mask.bool()
+    log_w = torch.where(m, logprobs.detach().float() - behavior_logprobs.float(), 0.0)
+    w = log_w.clamp(max=20.0).exp()
+    zero = torch.zeros_like(w)
+    truncated = zero.bool()
+    if mode == "none":
+        weight = torch.ones_like(w)
+    elif mode == "tis":
+        truncated = w > th["cap"]
+        weight = w.clamp(max=th["cap"])
+    elif mode == "icepop":
+        weight = ((w >= th["low"]) & (w <= th["high"])).to(w.dtype)
+    else:  # mis
+        n = m.sum(-1, keepdim=True).clamp(min=1)
+        geo = (log_w.sum(-1, keepdim=True) / n).exp()                        # [B, 1]
+        weight = ((geo >= th["low"]) & (geo <= th["high"])).to(w.dtype).expand_as(w)
+    weight = torch.where(m, weight, zero)
+    filtered = m & (weight == 0)
+    return weight, {"is_filtered_fraction": filtered.float(),
+                    "is_truncated_fraction": (truncated & m).float(), "is_weight": weight}

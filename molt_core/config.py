@@ -75,6 +75,11 @@ class AlgorithmConfig:
     loss: str = "ppo_clip"
     loss_args: dict = field(default_factory=dict)
     loss_agg: str = "token-mean"         # token-mean | seq-mean-token-sum | seq-mean-token-mean
+    # Off-policy correction against the engine's behavior log-probs: none | tis | icepop | mis
+    # (formulas: molt_core.algos.is_correction); thresholds in correction_args: tis {cap: 2.0},
+    # icepop {low: 0.5, high: 2.0}, mis {low: 0.5, high: 2.0} (on the sequence geometric mean).
+    correction: str = "none"
+    correction_args: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -83,6 +88,9 @@ class RolloutConfig:
     groups_per_step: int = 8             # prompt groups in one training batch
     group_size: int = 8                  # rollouts per prompt group
     max_staleness: int = 0               # weight versions a trainable token may lag
+    stale: str = "drop"                  # drop (the whole group) | mask (the stale tokens)
+    max_inflight_groups: int = 0         # streaming pool (async/partial): groups running or
+                                         # finished-and-waiting; 0 = 2 x groups_per_step
 
 
 @dataclass
@@ -241,9 +249,38 @@ def validate(cfg: Config) -> None:
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
+    _validate_correction(cfg)
     if not cfg.model.path:
         raise ConfigError("model.path is missing: set it to a local HF model directory "
                           "(make one with `molt tiny-model DIR`)")
     if not (Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(f"model.path '{cfg.model.path}' has no config.json: point it at a local "
                           "HF model directory (make a tiny one with `molt tiny-model DIR`)")
+
+
+def _validate_correction(cfg: Config) -> None:
+    from molt_core.algos import CORRECTIONS
+    a, r, s = cfg.algorithm, cfg.rollout, cfg.sampling
+    if a.correction not in CORRECTIONS:
+        raise ConfigError(f"algorithm.correction '{a.correction}' unknown; valid: "
+                          f"{', '.join(CORRECTIONS)}")
+    unknown = set(a.correction_args) - set(CORRECTIONS[a.correction])
+    if unknown:
+        raise ConfigError(f"algorithm.correction_args {sorted(unknown)} not understood by "
+                          f"correction '{a.correction}'; it takes {sorted(CORRECTIONS[a.correction])}")
+    th = {**CORRECTIONS[a.correction], **a.correction_args}
+    if not all(isinstance(v, (int, float)) and v > 0 for v in th.values()) or \
+            th.get("low", 0) > th.get("high", float("inf")):
+        raise ConfigError(f"algorithm.correction_args {th}: thresholds must be positive numbers "
+                          "with low <= high")
+    if r.stale not in ("drop", "mask"):
+        raise ConfigError(f"rollout.stale '{r.stale}' unknown; valid: drop, mask")
+    if r.max_inflight_groups and r.max_inflight_groups < r.groups_per_step:
+        raise ConfigError(f"rollout.max_inflight_groups ({r.max_inflight_groups}) must be 0 or >= "
+                          f"rollout.groups_per_step ({r.groups_per_step})")
+    if a.correction != "none" and (s.top_p < 1 or s.top_k > 0 or s.min_p > 0):
+        # The engine records log-probs of the full (temperature-scaled) distribution; truncated
+        # sampling makes them differ from the probabilities tokens were really drawn with.
+        raise ConfigError(f"algorithm.correction '{a.correction}' needs untruncated sampling: "
+                          "top_p < 1, top_k > 0 or min_p > 0 bias the behavior log-probs the "
+                          "importance weights are computed from (set top_p=1, top_k=0, min_p=0)")

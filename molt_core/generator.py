@@ -3,6 +3,11 @@
 The generator owns one asyncio loop (on a background thread) where every rollout of every group
 runs concurrently; engines batch the concurrent requests. It works in token space only: agents
 receive `Completion`s (ids, behavior log-probs, versions) and build `Trajectory`s from them.
+
+Two ways to get groups: `generate(n)` runs exactly n fresh groups and waits for them (the sync
+scheme), and the streaming pool (`start_pool(k)` then `take(n)`) keeps up to k groups running or
+finished-and-waiting, hands out finished groups as soon as n exist and starts new ones in their
+place, so the engines never drain between training steps (the async and partial schemes).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import structlog
 from molt_core.config import Config
 from molt_core.trajectory import Completion, InvariantError, Trajectory
 
-__all__ = ["EngineClient", "Generator", "RolloutContext"]
+__all__ = ["EngineClient", "Generator", "RolloutContext", "filter_stale", "version_lag_metrics"]
 
 log = structlog.get_logger("molt.generator")
 
@@ -35,18 +40,36 @@ class EngineClient:
         self.window_s = window_s
         self.outstanding = [0] * len(engines)
         self._pending: list[tuple[list[int], dict, asyncio.Future]] = []
+        self.active = 0                          # generate calls sent and not yet answered
+        self._gate: asyncio.Event | None = None  # cleared by `hold`: new requests wait
 
     async def generate(self, prompt_ids: list[int], sampling: dict) -> Completion:
+        while self._gate is not None and not self._gate.is_set():
+            await self._gate.wait()
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._pending.append((list(prompt_ids), sampling, fut))
         if len(self._pending) == 1:
             loop.call_later(self.window_s, self._flush)
+        self.active += 1
         try:
             return await asyncio.wait_for(fut, self.timeout_s)
         except asyncio.TimeoutError:
             raise TimeoutError(f"no engine answered a generate call within {self.timeout_s}s "
                                "(engine.timeout_s)") from None
+        finally:
+            self.active -= 1
+
+    async def hold(self) -> None:
+        """Let requests already sent finish; new ones wait until `release`."""
+        self._gate = self._gate or asyncio.Event()
+        self._gate.clear()
+        while self.active:
+            await asyncio.sleep(0.002)
+
+    def release(self) -> None:
+        if self._gate is not None:
+            self._gate.set()
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
@@ -94,6 +117,13 @@ class Generator:
         self.counters: Counter[str] = Counter()
         self._group_ids = itertools.count()
         self._vocab = vocab_size             # the model's, which may exceed len(tokenizer)
+        self._pool_cap = 0                    # streaming pool: 0 = not started
+        self._pool_open = False
+        self._buffer: list[list[Trajectory]] = []    # finished groups, in completion order
+        self._inflight: set[asyncio.Task] = set()
+        self._pool_error: BaseException | None = None
+        self._failed_in_a_row = 0
+        self._changed: asyncio.Event | None = None
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
                                         name="molt-generator")
@@ -125,13 +155,96 @@ class Generator:
             out += [g for g in groups if g is not None]
         return out
 
+    # -- streaming pool ------------------------------------------------------------------------
+    def start_pool(self, max_groups: int) -> None:
+        """Keep up to `max_groups` groups running or finished-and-waiting from now on."""
+        self.submit(self._start_pool(max_groups)).result()
+
+    def take(self, n: int) -> list[list[Trajectory]]:
+        """Blocking: the first `n` finished groups (oldest first); the rest stay in the pool."""
+        return self.submit(self._take(n)).result()
+
+    def stop_pool(self) -> None:
+        """Start no new groups and wait for the running ones (they stay available to `take`)."""
+        self.submit(self._stop_pool()).result()
+
+    def pool_state(self) -> dict[str, int]:
+        return {"buffered": len(self._buffer), "inflight": len(self._inflight)}
+
+    def hold_requests(self) -> None:
+        """Blocking: let every engine request already sent finish; new ones wait for
+        `release_requests` (a weight push in between then never splits a response)."""
+        self.submit(self.client.hold()).result()
+
+    def release_requests(self) -> None:
+        self.loop.call_soon_threadsafe(self.client.release)
+
+    async def _start_pool(self, max_groups: int) -> None:
+        self._pool_cap, self._pool_open, self._changed = max_groups, True, asyncio.Event()
+        self._refill()
+
+    def _refill(self) -> None:
+        while self._pool_open and len(self._inflight) + len(self._buffer) < self._pool_cap:
+            task = asyncio.ensure_future(self.run_group(next(self._group_ids)))
+            self._inflight.add(task)
+            task.add_done_callback(self._group_done)
+
+    def _group_done(self, task: asyncio.Task) -> None:
+        self._inflight.discard(task)
+        if task.cancelled():
+            return
+        if task.exception() is not None:          # an invariant violation: the run must stop
+            self._pool_error = self._pool_error or task.exception()
+        elif task.result() is None:               # dropped, counted by run_group
+            self._failed_in_a_row += 1
+            if self._failed_in_a_row > 4 * self._pool_cap:
+                self._pool_error = RuntimeError(
+                    f"{self._failed_in_a_row} groups in a row could not complete; drops so far: "
+                    f"{dict(self.counters)}. The agent fails too often: see the agent_error "
+                    "events in the log")
+        else:
+            self._failed_in_a_row = 0
+            self._buffer.append(task.result())
+        self._changed.set()
+        self._refill()
+
+    async def _take(self, n: int) -> list[list[Trajectory]]:
+        if not self._pool_cap:
+            raise RuntimeError("take() before start_pool()")
+        if n > self._pool_cap:
+            raise ValueError(f"take({n}) from a pool of at most {self._pool_cap} groups")
+        while len(self._buffer) < n:
+            if self._pool_error is not None:
+                raise self._pool_error
+            if not self._inflight and not self._pool_open:
+                raise RuntimeError(f"take({n}): the pool is stopped with {len(self._buffer)} "
+                                   "finished groups")
+            self._changed.clear()
+            await self._changed.wait()
+        out, self._buffer = self._buffer[:n], self._buffer[n:]
+        self._refill()
+        return out
+
+    async def _stop_pool(self) -> None:
+        self._pool_open = False
+        await asyncio.gather(*self._inflight, return_exceptions=True)
+
+    async def _cancel_all(self) -> None:
+        self._pool_open = False
+        for t in self._inflight:
+            t.cancel()
+        await asyncio.gather(*self._inflight, return_exceptions=True)
+
+    # -- groups and rollouts ------------------------------------------------------------------
     async def run_group(self, group_id: int) -> list[Trajectory] | None:
         n = self.cfg.rollout.group_size
+        self.counters["rollout/started_groups"] += 1
         results = await asyncio.gather(*(self.run_one(group_id, i) for i in range(n)))
         trajs = [t for t in results if t is not None]
         if len(trajs) < n:
             self.counters["rollout/dropped/incomplete_group"] += 1
             return None
+        self.counters["rollout/finished_groups"] += 1
         return trajs
 
     async def run_one(self, group_id: int, rollout_id: int) -> Trajectory | None:
@@ -154,5 +267,45 @@ class Generator:
         return await self.client.generate(prompt_ids, sampling or self.sampling)
 
     def close(self) -> None:
+        if self._inflight:
+            try:
+                self.submit(self._cancel_all()).result(timeout=5)
+            except Exception:  # closing anyway
+                pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
+
+
+def filter_stale(groups: list[list[Trajectory]], version: int, max_staleness: int, mode: str,
+                 counters: Counter) -> list[list[Trajectory]]:
+    """Invariant 2: no trainable token sampled more than `max_staleness` versions before
+    `version` (the weights being trained) survives. mode "drop": a group holding such a token is
+    dropped whole (`rollout/dropped/stale_group`); "mask": those tokens become untrainable
+    (`rollout/masked/stale_tokens`; they keep their version for audit) and the group stays."""
+    out = []
+    for g in groups:
+        stale = [[m and version - v > max_staleness for m, v in zip(t.loss_mask, t.versions)]
+                 for t in g]
+        n_stale = sum(map(sum, stale))
+        if n_stale and mode == "drop":
+            counters["rollout/dropped/stale_group"] += 1
+            continue
+        if n_stale:
+            counters["rollout/masked/stale_tokens"] += n_stale
+            for t, s in zip(g, stale):
+                t.loss_mask = [m and not x for m, x in zip(t.loss_mask, s)]
+        out.append(g)
+    return out
+
+
+def version_lag_metrics(trajs: list[Trajectory], version: int) -> dict[str, float]:
+    """Distribution of `version - token version` over trainable tokens: mean, max and the
+    fraction of tokens at each lag (`rollout/version_lag/k`)."""
+    lags = Counter(version - v for t in trajs for m, v in zip(t.loss_mask, t.versions) if m)
+    n = sum(lags.values())
+    if not n:
+        return {}
+    out = {"rollout/version_lag_mean": sum(k * c for k, c in lags.items()) / n,
+           "rollout/version_lag_max": float(max(lags))}
+    out.update({f"rollout/version_lag/{k}": c / n for k, c in sorted(lags.items())})
+    return out

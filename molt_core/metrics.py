@@ -17,6 +17,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 __all__ = ["MetricsSink", "configure_logging", "make_run_dir"]
 
 
+class _Stderr:
+    """Whatever `sys.stderr` is at write time (tests and tools swap it)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str = "INFO") -> None:
     """Called by the CLI only (never at import): key=value events on stderr."""
     structlog.configure(
@@ -24,7 +34,7 @@ def configure_logging(level: str = "INFO") -> None:
                     structlog.processors.TimeStamper(fmt="%H:%M:%S"),
                     structlog.dev.ConsoleRenderer(colors=False)],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),
     )
 
 

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM
 
 from molt_core import weight_sync
-from molt_core.algos import aggregate
+from molt_core.algos import aggregate, is_correction
 from molt_core.config import TrainerConfig
 
 __all__ = ["Policy", "PolicyWorker", "token_logprobs"]
@@ -112,28 +112,46 @@ class PolicyWorker:
                                               self.cfg["logprob_chunk"])
 
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, loss_args: dict,
-                   loss_agg: str, num_tokens: int, num_seqs: int, temperature: float
-                   ) -> dict[str, Any]:
-        """One optimizer step on this rank's rows; returns mergeable sums, counts and maxima."""
+                   loss_agg: str, num_tokens: int, num_seqs: int, temperature: float,
+                   correction: str = "none", correction_args: dict | None = None,
+                   version: int | None = None) -> dict[str, Any]:
+        """One optimizer step on this rank's rows; returns mergeable sums, counts and maxima.
+
+        `correction` "none": the loss compares the trainer with the behavior log-probs directly.
+        Otherwise (one optimizer step per batch, so the pre-update log-probs are the proximal
+        policy) the loss gets `lp.detach()` as its old log-probs and its per-token value is
+        multiplied by the off-policy weight of `algos.is_correction` (TIS / IcePop / MIS).
+        `version`: the trainer's weight version; the engine-vs-trainer gap (`mismatch/max_abs`,
+        invariant 3) is measured on tokens sampled by it only (all tokens when None).
+        """
         t0 = time.perf_counter()
         loss_total, sums, counts = 0.0, {}, {}
         max_abs = 0.0
         for mb in self._micro_batches(batch):
             mask = mb["loss_mask"]
             lp = self._logprobs(mb, temperature)
-            per_token, metrics = loss_fn(lp, mb["behavior_logprobs"], mb["advantages"], mask,
-                                         **loss_args)
+            behavior = mb["behavior_logprobs"]
+            if correction == "none":
+                per_token, metrics = loss_fn(lp, behavior, mb["advantages"], mask, **loss_args)
+            else:
+                per_token, metrics = loss_fn(lp, lp.detach(), mb["advantages"], mask, **loss_args)
+                weight, is_metrics = is_correction(lp, behavior, mask, correction,
+                                                   **(correction_args or {}))
+                per_token = per_token * weight
+                metrics = {**metrics, **is_metrics}
             loss = aggregate(per_token, mask, loss_agg, num_tokens, num_seqs)
             # FSDP2 averages grads over ranks; x world_size makes the step's grad sum/global count.
             (loss * self.world_size).backward()
             loss_total += float(loss.detach())
             with torch.no_grad():
                 n_tok = float(mask.sum())
-                diff = (lp - mb["behavior_logprobs"])[mask]
-                if diff.numel():
-                    max_abs = max(max_abs, float(diff.abs().max()))
-                k3 = (diff.exp() - 1 - diff).sum()      # k3 estimate of KL(behavior || trainer)
-                named = {"mismatch/kl": (float(k3), n_tok)}
+                diff = (lp - behavior)[mask]
+                on_policy = mask if version is None else mask & (mb["versions"] == version)
+                if on_policy.any():
+                    max_abs = max(max_abs, float((lp - behavior)[on_policy].abs().max()))
+                k3 = float((diff.exp() - 1 - diff).sum())  # k3 estimate of KL(behavior || trainer)
+                named = {"mismatch/kl": (k3, n_tok), "mismatch_kl": (k3, n_tok),
+                         "mismatch/on_policy_fraction": (float(on_policy.sum()), n_tok)}
                 for k, v in metrics.items():
                     v = v.detach()
                     named[k] = ((float((v * mask).sum()), n_tok) if v.shape == mask.shape
@@ -268,12 +286,16 @@ class Policy:
                                "(trainer.timeout_s)") from None
 
     def train(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, loss_args: dict | None = None,
-              loss_agg: str = "token-mean", temperature: float = 1.0) -> dict[str, float]:
-        """One optimizer step on a `collate` batch [B, T]; returns plain-float metrics."""
+              loss_agg: str = "token-mean", temperature: float = 1.0, correction: str = "none",
+              correction_args: dict | None = None, version: int | None = None
+              ) -> dict[str, float]:
+        """One optimizer step on a `collate` batch [B, T]; returns plain-float metrics.
+        `correction`/`version`: see `PolicyWorker.train_step`."""
         mask = batch["loss_mask"]
         num_tokens, num_seqs = int(mask.sum()), int(mask.any(-1).sum())
         outs = self._get([w.train_step.remote(part, loss_fn, loss_args or {}, loss_agg, num_tokens,
-                                              num_seqs, temperature)
+                                              num_seqs, temperature, correction,
+                                              correction_args or {}, version)
                           for w, part in zip(self.workers, self._split(batch))], "train_step")
         metrics = {"loss": sum(o["loss"] for o in outs), "grad_norm": outs[0]["grad_norm"]}
         for k in outs[0]["sums"]:

@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from molt_core import cluster
 from molt_core.config import Config
-from molt_core.generator import Generator
+from molt_core.generator import Generator, version_lag_metrics
 from molt_core.metrics import MetricsSink
 from molt_core.plugins import Plugins
 from molt_core.trajectory import Trajectory, collate
@@ -40,6 +40,7 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
         generator = Generator(agent, engines, cfg, tokenizer, vocab_size)
         scheme = plugins.get("rollout_scheme", cfg.rollout.scheme)(cfg, generator, policy, engines)
         sink = MetricsSink(run_dir, cfg.trainer.steps, show=progress)
+        version, alg = 0, cfg.algorithm          # version: the weights being trained
         try:
             for step in range(cfg.trainer.steps):
                 t0 = time.perf_counter()
@@ -58,13 +59,14 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                 batch = collate([s for s, _ in rows], [[a] * len(s) for s, a in rows],
                                 pad_id=tokenizer.pad_token_id or 0)
                 t1 = time.perf_counter()
-                metrics = policy.train(batch, loss_fn, cfg.algorithm.loss_args,
-                                       cfg.algorithm.loss_agg, cfg.sampling.temperature)
+                metrics = policy.train(batch, loss_fn, alg.loss_args, alg.loss_agg,
+                                       cfg.sampling.temperature, alg.correction,
+                                       alg.correction_args, version)
                 t2 = time.perf_counter()
                 check_consistency(cfg, step, metrics)
+                metrics.update(rollout_metrics(trajs, rewards, adv, version), **generator.counters)
                 version = scheme.after_train(step)
                 t3 = time.perf_counter()
-                metrics.update(rollout_metrics(trajs, rewards, adv), **generator.counters)
                 metrics.update({"version": version, "time/generate_s": t_gen,
                                 "time/train_s": t2 - t1, "time/weight_sync_s": t3 - t2,
                                 "time/step_s": time.perf_counter() - t0})
@@ -93,10 +95,10 @@ def check_consistency(cfg: Config, step: int, metrics: dict[str, Any]) -> None:
             "or tokenizer, or a model config mismatch between the two loads.")
 
 
-def rollout_metrics(trajs: list[Trajectory], rewards: torch.Tensor, adv: torch.Tensor
-                    ) -> dict[str, float]:
+def rollout_metrics(trajs: list[Trajectory], rewards: torch.Tensor, adv: torch.Tensor,
+                    version: int = 0) -> dict[str, float]:
     lens = torch.tensor([t.num_trainable for t in trajs], dtype=torch.float32)
-    return {"reward/mean": rewards.mean().item(), "reward/max": rewards.max().item(),
+    return {**version_lag_metrics(trajs, version),"reward/mean": rewards.mean().item(), "reward/max": rewards.max().item(),
             "reward/min": rewards.min().item(), "adv/abs_mean": adv.abs().mean().item(),
             "response/len_mean": lens.mean().item(),
             "response/truncated": sum(t.truncated for t in trajs) / len(trajs),

@@ -1,0 +1,71 @@
+"""Asynchronous rollout: generation continues while the trainer trains.
+
+The generator's streaming pool keeps up to `rollout.max_inflight_groups` groups running or
+finished-and-waiting; `next_batch` takes `rollout.groups_per_step` finished groups as soon as they
+exist. After each optimizer step the new weights are pushed at a request boundary: requests
+already sent finish under the old weights, new ones wait for the push (so one response never
+mixes versions; see `molt-rollout-partial` for switching inside a response). Groups with
+trainable tokens more than `rollout.max_staleness` versions older than the weights being trained
+are dropped (`rollout.stale: drop`) or have those tokens masked (`mask`), counted under
+`rollout/dropped/stale_group` / `rollout/masked/stale_tokens`. Off-policy tokens need an
+importance-sampling correction (`algorithm.correction`), required at config time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from molt_core import hookimpl
+from molt_core.config import Config, ConfigError
+from molt_core.generator import filter_stale
+from molt_core.trajectory import Trajectory
+
+__all__ = ["AsyncScheme", "require_correction"]
+
+
+class AsyncScheme:
+    def __init__(self, cfg: Any, generator: Any, policy: Any, engines: list[Any]) -> None:
+        self.cfg, self.generator, self.policy, self.engines = cfg, generator, policy, engines
+        self.version = 0                       # the weights the trainer trains next
+        r = cfg.rollout
+        generator.start_pool(r.max_inflight_groups or 2 * r.groups_per_step)
+
+    def next_batch(self, step: int) -> list[list[Trajectory]]:
+        r = self.cfg.rollout
+        out: list[list[Trajectory]] = []
+        while len(out) < r.groups_per_step:
+            groups = self.generator.take(r.groups_per_step - len(out))
+            out += filter_stale(groups, self.version, r.max_staleness, r.stale,
+                                self.generator.counters)
+        return out
+
+    def after_train(self, step: int) -> int:
+        self.version += 1
+        self.generator.hold_requests()
+        try:
+            self.push()
+        finally:
+            self.generator.release_requests()
+        return self.version
+
+    def push(self) -> None:
+        self.policy.push_weights(self.engines, self.version)
+
+
+def require_correction(cfg: Config, scheme: str) -> None:
+    if cfg.rollout.scheme == scheme and cfg.algorithm.correction == "none":
+        raise ConfigError(
+            f"rollout.scheme '{scheme}' trains on tokens sampled by older weights (up to "
+            f"rollout.max_staleness={cfg.rollout.max_staleness} versions) than the ones being "
+            "trained; without an importance-sampling correction the update is biased. Set "
+            "algorithm.correction to tis, icepop or mis (thresholds in algorithm.correction_args)")
+
+
+@hookimpl
+def molt_configure(cfg: Config) -> None:
+    require_correction(cfg, "async")
+
+
+@hookimpl
+def molt_rollout_schemes() -> dict:
+    return {"async": AsyncScheme}

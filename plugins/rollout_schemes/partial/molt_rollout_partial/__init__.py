@@ -1,0 +1,40 @@
+"""Partial rollout: at a weight sync the engines pause their in-flight requests, load the new
+weights and resume them; no request is dropped or restarted.
+
+Like `molt-rollout-async` (streaming pool, staleness bound, correction required), but the push
+does not wait for requests to finish: a response that spans the sync carries both versions, each
+token stamped with the weights that sampled it and its behavior log-prob under those weights (the
+engine recomputes the KV cache of in-flight requests after an update).
+"""
+
+from __future__ import annotations
+
+import ray
+
+from molt_core import hookimpl
+from molt_core.config import Config
+from molt_rollout_async import AsyncScheme, require_correction
+
+__all__ = ["PartialScheme"]
+
+
+class PartialScheme(AsyncScheme):
+    def after_train(self, step: int) -> int:
+        self.version += 1
+        timeout = self.cfg.trainer.weight_sync_timeout_s
+        ray.get([e.pause.remote() for e in self.engines], timeout=timeout)
+        try:
+            self.push()
+        finally:
+            ray.get([e.resume.remote() for e in self.engines], timeout=timeout)
+        return self.version
+
+
+@hookimpl
+def molt_configure(cfg: Config) -> None:
+    require_correction(cfg, "partial")
+
+
+@hookimpl
+def molt_rollout_schemes() -> dict:
+    return {"partial": PartialScheme}

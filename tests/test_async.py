@@ -1,0 +1,271 @@
+"""Off-policy correction formulas, staleness bound, streaming pool, async/partial schemes."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import Counter
+
+import pytest
+import ray
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from molt_core.algos import is_correction
+from molt_core.cli import load
+from molt_core.config import ConfigError, TrainerConfig
+from molt_core.engines.hf import HFEngine
+from molt_core.generator import Generator, filter_stale, version_lag_metrics
+from molt_core.policy import Policy, token_logprobs
+from molt_core.trajectory import Completion, Trajectory, collate
+from molt_grpo import ppo_clip_loss
+from molt_rollout_async import AsyncScheme
+from molt_rollout_partial import PartialScheme
+
+# ---------------------------------------------------------------- correction formulas
+
+
+def _lp():
+    # log w per token (trainer - behavior); row 1 has a masked third token
+    log_w = torch.tensor([[0.0, math.log(3.0), math.log(0.25)],
+                          [math.log(1.5), math.log(0.8), 5.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    behavior = torch.full((2, 3), -1.0)
+    return behavior + log_w, behavior, mask
+
+
+def test_tis_truncates_the_weight():
+    lp, beh, mask = _lp()
+    w, m = is_correction(lp, beh, mask, "tis", cap=2.0)
+    assert torch.allclose(w, torch.tensor([[1.0, 2.0, 0.25], [1.5, 0.8, 0.0]]))
+    assert m["is_truncated_fraction"].tolist() == [[0, 1, 0], [0, 0, 0]]
+    assert m["is_filtered_fraction"].sum() == 0
+
+
+def test_icepop_masks_tokens_outside_the_band():
+    lp, beh, mask = _lp()
+    w, m = is_correction(lp, beh, mask, "icepop", low=0.5, high=2.0)
+    assert w.tolist() == [[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
+    assert m["is_filtered_fraction"].tolist() == [[0, 1, 1], [0, 0, 0]]   # masked pad: not counted
+
+
+def test_mis_masks_whole_sequences_by_geometric_mean():
+    lp, beh, mask = _lp()
+    # row 0: (1 * 3 * 0.25)^(1/3) = 0.909 -> kept; row 1: (1.5 * 0.8)^(1/2) = 1.095 -> kept
+    w, _ = is_correction(lp, beh, mask, "mis", low=0.95, high=2.0)
+    assert w.tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
+    w, _ = is_correction(lp, beh, mask, "mis", low=0.5, high=1.05)
+    assert w.tolist() == [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+
+
+def test_correction_weight_is_detached_and_scales_the_gradient():
+    lp, beh, mask = _lp()
+    lp = lp.clone().requires_grad_(True)
+    w, _ = is_correction(lp, beh, mask, "tis", cap=2.0)
+    assert not w.requires_grad
+    adv = torch.ones(2, 3)
+    per_token, _ = ppo_clip_loss(lp, lp.detach(), adv, mask)   # the proximal policy: ratio 1
+    (per_token * w * mask).sum().backward()
+    assert torch.allclose(lp.grad, -w)                          # d(-A r w)/d lp = -A w
+
+
+def test_config_rejects_off_policy_schemes_without_correction(tiny_model_dir):
+    base = [f"model.path={tiny_model_dir}"]
+    for scheme in ("async", "partial"):
+        with pytest.raises(ConfigError, match="algorithm.correction"):
+            load(None, base + [f"rollout.scheme={scheme}"])
+        load(None, base + [f"rollout.scheme={scheme}", "algorithm.correction=icepop"])
+    with pytest.raises(ConfigError, match="top_p"):
+        load(None, base + ["algorithm.correction=tis", "sampling.top_p=0.9"])
+    with pytest.raises(ConfigError, match="takes"):
+        load(None, base + ["algorithm.correction=tis", "algorithm.correction_args={low: 1}"])
+
+
+# ---------------------------------------------------------------- staleness
+
+
+def traj(versions: list[int], group: int = 0) -> Trajectory:
+    t = Trajectory(group_id=group)
+    t.add_prompt([1, 2])
+    t.add_completion(Completion([3] * len(versions), [-0.5] * len(versions), versions))
+    return t
+
+
+class OldPool:
+    """A stand-in generator whose pool deliberately holds old groups first."""
+
+    def __init__(self, versions: list[list[int]], fresh: int) -> None:
+        self.queue = [[traj(v, i)] for i, v in enumerate(versions)]
+        self.fresh = fresh
+        self.counters: Counter[str] = Counter()
+
+    def start_pool(self, k: int) -> None:
+        self.k = k
+
+    def take(self, n: int) -> list[list[Trajectory]]:
+        while len(self.queue) < n:
+            self.queue.append([traj([self.fresh] * 3, 99)])
+        out, self.queue = self.queue[:n], self.queue[n:]
+        return out
+
+
+def scheme_cfg(tiny_model_dir, *extra):
+    return load(None, [f"model.path={tiny_model_dir}", "rollout.scheme=async",
+                       "algorithm.correction=tis", "rollout.groups_per_step=3",
+                       *extra])[0]
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_max_staleness_never_trains_an_older_token(tiny_model_dir, k):
+    cfg = scheme_cfg(tiny_model_dir, f"rollout.max_staleness={k}")
+    pool = OldPool([[0, 0], [1, 2], [3, 3], [2, 3], [5, 5], [4, 5], [0, 5]], fresh=5)
+    scheme = AsyncScheme(cfg, pool, policy=None, engines=[])
+    scheme.version = 5
+    batch = scheme.next_batch(0)
+    assert len(batch) == 3
+    lags = [5 - v for g in batch for t in g for v, m in zip(t.versions, t.loss_mask) if m]
+    assert max(lags) <= k
+    assert pool.counters["rollout/dropped/stale_group"] >= 1
+    if k == 0:      # exactly on-policy: every trained token was sampled by the trained weights
+        assert set(lags) == {0}
+        assert version_lag_metrics([t for g in batch for t in g], 5)["rollout/version_lag/0"] == 1
+
+
+def test_stale_tokens_masked_not_dropped(tiny_model_dir):
+    counters: Counter[str] = Counter()
+    g = [traj([3, 4, 5]), traj([5, 5])]
+    out = filter_stale([g], 5, 1, "mask", counters)
+    assert out == [g]
+    assert [v for v, m in zip(g[0].versions, g[0].loss_mask) if m] == [4, 5]
+    assert counters["rollout/masked/stale_tokens"] == 1
+    m = version_lag_metrics(g, 5)
+    assert m["rollout/version_lag_max"] == 1 and m["rollout/version_lag/1"] == pytest.approx(0.25)
+
+
+# ---------------------------------------------------------------- streaming pool (no Ray)
+
+
+class Inline:
+    """An in-process HFEngine exposed with Ray's `.remote` calling convention."""
+
+    def __init__(self, engine: HFEngine) -> None:
+        self.engine = engine
+
+    def __getattr__(self, name):
+        fn = getattr(self.engine, name)
+        return type("M", (), {"remote": staticmethod(fn)})
+
+
+class CountingAgent:
+    """Generates one response per rollout (no stop token: every response runs to the length
+    limit) and records each completion exactly as the engine returned it."""
+
+    def __init__(self, tok, fail_every: int = 0) -> None:
+        self.tok, self.fail_every = tok, fail_every
+        self.calls, self.completions = 0, {}
+
+    async def rollout(self, ctx) -> Trajectory:
+        self.calls += 1
+        if self.fail_every and self.calls % self.fail_every == 0:
+            raise RuntimeError("flaky agent")
+        prompt = self.tok("after c", add_special_tokens=False).input_ids
+        c = await ctx.generate(prompt, {**ctx.sampling, "stop_token_ids": []})
+        self.completions[(ctx.group_id, ctx.rollout_id)] = (list(c.token_ids), list(c.logprobs),
+                                                            list(c.versions))
+        t = Trajectory()
+        t.add_prompt(prompt)
+        t.add_completion(c)
+        t.reward = float(len(set(c.token_ids)))
+        return t
+
+
+def test_pool_streams_and_accounts_for_every_group(tiny_model_dir):
+    path = str(tiny_model_dir)
+    cfg = load(None, [f"model.path={path}", "rollout.group_size=2", "sampling.max_new_tokens=4"])[0]
+    tok = AutoTokenizer.from_pretrained(path)
+    agent = CountingAgent(tok, fail_every=5)
+    gen = Generator(agent, [Inline(HFEngine(path, seed=1))], cfg, tok, len(tok))
+    try:
+        gen.start_pool(4)
+        taken = gen.take(3) + gen.take(3)       # the second take needs groups started after the first
+        assert len(taken) == 6 and all(len(g) == 2 for g in taken)
+        assert gen.pool_state()["inflight"] + gen.pool_state()["buffered"] <= 4
+        gen.stop_pool()
+        c = gen.counters
+        out = taken + gen.take(gen.pool_state()["buffered"])
+        assert c["rollout/started_groups"] == len(out) + c["rollout/dropped/incomplete_group"]
+        assert c["rollout/dropped/incomplete_group"] >= 1           # fail_every=5 dropped some
+        # rollouts in = trajectories out + the rollouts of the counted incomplete groups
+        assert agent.calls == 2 * c["rollout/started_groups"]
+        assert agent.calls == sum(map(len, out)) + 2 * c["rollout/dropped/incomplete_group"]
+        assert c["rollout/dropped/agent_error"] >= c["rollout/dropped/incomplete_group"]
+    finally:
+        gen.close()
+
+
+# ---------------------------------------------------------------- partial rollout (Ray)
+
+
+def test_partial_rollout_switches_versions_inside_a_response(ray_local, tiny_model_dir):
+    path = str(tiny_model_dir)
+    cfg = load(None, [f"model.path={path}", "rollout.scheme=partial", "algorithm.correction=tis",
+                      "rollout.groups_per_step=2", "rollout.group_size=2",
+                      "rollout.max_inflight_groups=4", "rollout.max_staleness=1",
+                      "sampling.max_new_tokens=300"])[0]
+    tok = AutoTokenizer.from_pretrained(path)
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    engine = ray.remote(HFEngine).options(num_cpus=0).remote(path, seed=3)
+    policy = Policy(path, TrainerConfig(num_ranks=1, lr=3e-2), seed=0)
+    agent = CountingAgent(tok)
+    gen = Generator(agent, [engine], cfg, tok, vocab)
+    try:
+        scheme = PartialScheme(cfg, gen, policy, [engine])
+        first = scheme.next_batch(0)                        # 4 groups ran in one wave; 2 taken
+        assert {v for g in first for t in g for v in t.versions if v >= 0} == {0}
+        trajs = [t for g in first for t in g]
+        batch = collate(trajs, [[1.0 if i % 2 else -1.0] * len(t) for i, t in enumerate(trajs)])
+        policy.train(batch, ppo_clip_loss, {}, "token-mean", 1.0, "tis", {}, 0)
+        done = ray.get(engine.stats.remote())["tokens_generated"]
+        deadline = time.time() + 60
+        while ray.get(engine.stats.remote())["tokens_generated"] < done + 40:  # replacements run
+            assert time.time() < deadline
+            time.sleep(0.01)
+        assert scheme.after_train(0) == 1                   # pause, push, resume mid-response
+        gen.stop_pool()
+        rest = gen.take(gen.pool_state()["buffered"])
+        out = first + rest
+        spanning = [t for g in rest for t in g
+                    if {v for v, m in zip(t.versions, t.loss_mask) if m} == {0, 1}]
+        assert spanning, [sorted(set(t.versions)) for g in rest for t in g]
+        # versions never go back within a response
+        for t in spanning:
+            v = [v for v, m in zip(t.versions, t.loss_mask) if m]
+            assert v == sorted(v)
+        # each token's behavior log-prob is what the engine reported when it sampled it ...
+        for g in out:
+            for t in g:
+                ids, lps, vs = agent.completions[(t.group_id, t.rollout_id)]
+                n = len(ids)
+                assert t.token_ids[-n:] == ids and t.logprobs[-n:] == lps and t.versions[-n:] == vs
+        # ... and that is the log-prob under the weights of its version (v0: the initial model,
+        # v1: the trainer after its step), so the engine recomputed the cache after the switch
+        b = collate(spanning, [[0.0] * len(t) for t in spanning])
+        model0 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            lp0 = token_logprobs(model0, b["input_ids"], b["attention_mask"], b["loss_mask"],
+                                 1.0, 1024)
+        lp1 = policy.logprobs(b)
+        for lp, v in ((lp0, 0), (lp1, 1)):
+            sel = b["loss_mask"] & (b["versions"] == v)
+            assert (lp - b["behavior_logprobs"])[sel].abs().max() < 1e-4, v
+        assert (lp1 - lp0)[b["loss_mask"]].abs().max() > 1e-3     # the weights did change
+        # no request lost or restarted: requests in = trajectories out (+ counted drops: none)
+        c = gen.counters
+        assert c["rollout/started_groups"] == len(out) + c["rollout/dropped/incomplete_group"]
+        assert c["rollout/dropped/incomplete_group"] == 0
+        assert agent.calls == sum(map(len, out)) == ray.get(engine.stats.remote())["requests"]
+    finally:
+        gen.close()
+        policy.shutdown()
+        ray.kill(engine)
