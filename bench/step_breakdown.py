@@ -10,12 +10,14 @@ import statistics
 import sys
 
 from molt_core.cli import load
+from molt_core.metrics import configure_logging
 from molt_core.trainer import train
 
 
 def main() -> None:
     recipe = sys.argv[1] if len(sys.argv) > 1 else "recipes/cpu/next_letter.yaml"
     overrides = ["trainer.steps=30", *sys.argv[2:]]
+    configure_logging()
     cfg, plugins = load(recipe, overrides)
     history = train(cfg, plugins, None, progress=False)[5:]   # skip warm-up steps
     parts = {
