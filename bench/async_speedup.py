@@ -56,6 +56,7 @@ def main() -> None:
                 f"rollout.scheme={scheme}"]
             cfg, plugins = load(str(recipe), common + extra)
             t0 = time.perf_counter()
+            (tmp / scheme).mkdir()
             hist = train(cfg, plugins, tmp / scheme, progress=False)
             wall = time.perf_counter() - t0
             timed = hist[args.warmup:]

@@ -90,7 +90,9 @@ class RolloutConfig:
     max_staleness: int = 0               # weight versions a trainable token may lag
     stale: str = "drop"                  # drop (the whole group) | mask (the stale tokens)
     max_inflight_groups: int = 0         # streaming pool (async/partial): groups running or
-                                         # finished-and-waiting; 0 = 2 x groups_per_step
+                                         # finished-and-waiting; 0 = groups_per_step (one
+                                         # batch ahead; more lets fast groups go first but
+                                         # the surplus ages and may exceed max_staleness)
 
 
 @dataclass

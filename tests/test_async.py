@@ -1,4 +1,5 @@
-"""Off-policy correction formulas, staleness bound, streaming pool, async/partial schemes."""
+"""Off-policy correction formulas, config checks and the staleness bound of the async scheme
+(no Ray; the streaming pool and partial rollout are in test_partial.py)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,11 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from molt_core.algos import is_correction
 from molt_core.cli import load
 from molt_core.config import ConfigError
-from molt_core.engines.hf import HFEngine
-from molt_core.generator import Generator, filter_stale, version_lag_metrics
+from molt_core.generator import filter_stale, version_lag_metrics
 from molt_core.trajectory import Completion, Trajectory
 from molt_grpo import ppo_clip_loss
 from molt_rollout_async import AsyncScheme
@@ -136,64 +135,3 @@ def test_stale_tokens_masked_not_dropped(tiny_model_dir):
     assert counters["rollout/masked/stale_tokens"] == 1
     m = version_lag_metrics(g, 5)
     assert m["rollout/version_lag_max"] == 1 and m["rollout/version_lag/1"] == pytest.approx(0.25)
-
-
-# ---------------------------------------------------------------- streaming pool (no Ray)
-
-
-class Inline:
-    """An in-process HFEngine exposed with Ray's `.remote` calling convention."""
-
-    def __init__(self, engine: HFEngine) -> None:
-        self.engine = engine
-
-    def __getattr__(self, name):
-        fn = getattr(self.engine, name)
-        return type("M", (), {"remote": staticmethod(fn)})
-
-
-class CountingAgent:
-    """Generates one response per rollout (no stop token: every response runs to the length
-    limit) and records each completion exactly as the engine returned it."""
-
-    def __init__(self, tok, fail_every: int = 0) -> None:
-        self.tok, self.fail_every = tok, fail_every
-        self.calls, self.completions = 0, {}
-
-    async def rollout(self, ctx) -> Trajectory:
-        self.calls += 1
-        if self.fail_every and self.calls % self.fail_every == 0:
-            raise RuntimeError("flaky agent")
-        prompt = self.tok("after c", add_special_tokens=False).input_ids
-        c = await ctx.generate(prompt, {**ctx.sampling, "stop_token_ids": []})
-        self.completions[(ctx.group_id, ctx.rollout_id)] = (list(c.token_ids), list(c.logprobs),
-                                                            list(c.versions))
-        t = Trajectory()
-        t.add_prompt(prompt)
-        t.add_completion(c)
-        t.reward = float(len(set(c.token_ids)))
-        return t
-
-
-def test_pool_streams_and_accounts_for_every_group(tiny_model_dir):
-    path = str(tiny_model_dir)
-    cfg = load(None, [f"model.path={path}", "rollout.group_size=2", "sampling.max_new_tokens=4"])[0]
-    tok = AutoTokenizer.from_pretrained(path)
-    agent = CountingAgent(tok, fail_every=5)
-    gen = Generator(agent, [Inline(HFEngine(path, seed=1))], cfg, tok, len(tok))
-    try:
-        gen.start_pool(4)
-        taken = gen.take(3) + gen.take(3)       # the second take needs groups started after the first
-        assert len(taken) == 6 and all(len(g) == 2 for g in taken)
-        assert gen.pool_state()["inflight"] + gen.pool_state()["buffered"] <= 4
-        gen.stop_pool()
-        c = gen.counters
-        out = taken + gen.take(gen.pool_state()["buffered"])
-        assert c["rollout/started_groups"] == len(out) + c["rollout/dropped/incomplete_group"]
-        assert c["rollout/dropped/incomplete_group"] >= 1           # fail_every=5 dropped some
-        # rollouts in = trajectories out + the rollouts of the counted incomplete groups
-        assert agent.calls == 2 * c["rollout/started_groups"]
-        assert agent.calls == sum(map(len, out)) + 2 * c["rollout/dropped/incomplete_group"]
-        assert c["rollout/dropped/agent_error"] >= c["rollout/dropped/incomplete_group"]
-    finally:
-        gen.close()

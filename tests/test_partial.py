@@ -18,10 +18,68 @@ from molt_core.engines.hf import HFEngine
 from molt_core.generator import Generator
 from molt_core.policy import Policy, token_logprobs
 from molt_core.trainer import train
-from molt_core.trajectory import collate
+from molt_core.trajectory import Trajectory, collate
 from molt_grpo import ppo_clip_loss
 from molt_rollout_partial import PartialScheme
-from test_async import CountingAgent
+
+
+class Inline:
+    """An in-process HFEngine exposed with Ray's `.remote` calling convention."""
+
+    def __init__(self, engine: HFEngine) -> None:
+        self.engine = engine
+
+    def __getattr__(self, name):
+        fn = getattr(self.engine, name)
+        return type("M", (), {"remote": staticmethod(fn)})
+
+
+class CountingAgent:
+    """Generates one response per rollout (no stop token: every response runs to the length
+    limit) and records each completion exactly as the engine returned it."""
+
+    def __init__(self, tok, fail_every: int = 0) -> None:
+        self.tok, self.fail_every = tok, fail_every
+        self.calls, self.completions = 0, {}
+
+    async def rollout(self, ctx) -> Trajectory:
+        self.calls += 1
+        if self.fail_every and self.calls % self.fail_every == 0:
+            raise RuntimeError("flaky agent")
+        prompt = self.tok("after c", add_special_tokens=False).input_ids
+        c = await ctx.generate(prompt, {**ctx.sampling, "stop_token_ids": []})
+        self.completions[(ctx.group_id, ctx.rollout_id)] = (list(c.token_ids), list(c.logprobs),
+                                                            list(c.versions))
+        t = Trajectory()
+        t.add_prompt(prompt)
+        t.add_completion(c)
+        t.reward = float(len(set(c.token_ids)))
+        return t
+
+
+def test_pool_streams_and_accounts_for_every_group(tiny_model_dir):
+    """No Ray: an in-process engine behind the streaming pool, with an agent that fails 1 in 5."""
+    path = str(tiny_model_dir)
+    cfg = load(None, [f"model.path={path}", "rollout.group_size=2", "sampling.max_new_tokens=4"])[0]
+    tok = AutoTokenizer.from_pretrained(path)
+    agent = CountingAgent(tok, fail_every=5)
+    gen = Generator(agent, [Inline(HFEngine(path, seed=1))], cfg, tok, len(tok))
+    try:
+        gen.start_pool(4)
+        taken = gen.take(3) + gen.take(3)       # the second take needs groups started after the first
+        assert len(taken) == 6 and all(len(g) == 2 for g in taken)
+        assert gen.pool_state()["inflight"] + gen.pool_state()["buffered"] <= 4
+        gen.stop_pool()
+        c = gen.counters
+        out = taken + gen.take(gen.pool_state()["buffered"])
+        assert c["rollout/started_groups"] == len(out) + c["rollout/dropped/incomplete_group"]
+        assert c["rollout/dropped/incomplete_group"] >= 1           # fail_every=5 dropped some
+        # rollouts in = trajectories out + the rollouts of the counted incomplete groups
+        assert agent.calls == 2 * c["rollout/started_groups"]
+        assert agent.calls == sum(map(len, out)) + 2 * c["rollout/dropped/incomplete_group"]
+        assert c["rollout/dropped/agent_error"] >= c["rollout/dropped/incomplete_group"]
+    finally:
+        gen.close()
 
 
 def test_partial_rollout_switches_versions_inside_a_response(ray_local, tiny_model_dir):

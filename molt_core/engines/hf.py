@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
 
+from molt_core.engines import SAMPLING_KEYS, check_sampling
 from molt_core.trajectory import Completion
 
 __all__ = ["HFEngine", "SAMPLING_KEYS"]
 
-SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
 
 
 @dataclass
@@ -76,17 +76,7 @@ class HFEngine:
 
     async def generate(self, prompt_ids: list[int], sampling: dict) -> Completion:
         """Sample a completion; `sampling` gives every key of SAMPLING_KEYS (+ stop_token_ids)."""
-        sampling = dict(sampling)
-        stop = sampling.pop("stop_token_ids", None)
-        missing = [k for k in SAMPLING_KEYS if k not in sampling]
-        unknown = [k for k in sampling if k not in SAMPLING_KEYS]
-        if missing or unknown:
-            raise ValueError(f"sampling must give exactly {', '.join(SAMPLING_KEYS)} (+ optional "
-                             f"stop_token_ids); missing {missing}, unknown {unknown}")
-        if sampling["temperature"] <= 0:
-            raise ValueError(f"temperature must be > 0, got {sampling['temperature']}")
-        if sampling["max_new_tokens"] < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {sampling['max_new_tokens']}")
+        sampling, stop = check_sampling(sampling)
         if not prompt_ids or len(prompt_ids) >= self.max_positions:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; it needs 1 to "
                              f"{self.max_positions - 1} (max_position_embeddings "

@@ -49,11 +49,11 @@ from typing import Any
 
 import torch
 
+from molt_core.engines import SAMPLING_KEYS, check_sampling
 from molt_core.trajectory import Completion
 
 __all__ = ["MoltWorkerExtension", "VLLMEngine", "SAMPLING_KEYS"]
 
-SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
 _EXTENSION = f"{__name__}.MoltWorkerExtension"
 _SHM = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
@@ -237,17 +237,7 @@ class VLLMEngine:
     def _sampling_params(self, sampling: dict) -> Any:
         from vllm import SamplingParams
 
-        sampling = dict(sampling)
-        stop = sampling.pop("stop_token_ids", None)
-        missing = [k for k in SAMPLING_KEYS if k not in sampling]
-        unknown = [k for k in sampling if k not in SAMPLING_KEYS]
-        if missing or unknown:
-            raise ValueError(f"sampling must give exactly {', '.join(SAMPLING_KEYS)} (+ optional "
-                             f"stop_token_ids); missing {missing}, unknown {unknown}")
-        if sampling["temperature"] <= 0:
-            raise ValueError(f"temperature must be > 0, got {sampling['temperature']}")
-        if sampling["max_new_tokens"] < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {sampling['max_new_tokens']}")
+        sampling, stop = check_sampling(sampling)
         stop_ids = sorted(stop if stop is not None else self.default_stop_ids)
         return SamplingParams(
             n=1, temperature=float(sampling["temperature"]),

@@ -28,7 +28,7 @@ class AsyncScheme:
         self.cfg, self.generator, self.policy, self.engines = cfg, generator, policy, engines
         self.version = 0                       # the weights the trainer trains next
         r = cfg.rollout
-        generator.start_pool(r.max_inflight_groups or 2 * r.groups_per_step)
+        generator.start_pool(r.max_inflight_groups or r.groups_per_step)
 
     def next_batch(self, step: int) -> list[list[Trajectory]]:
         r = self.cfg.rollout
