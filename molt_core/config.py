@@ -66,6 +66,10 @@ class TrainerConfig:
     timeout_s: float = 300.0             # collectives and trainer RPCs
     weight_sync_bucket_mb: float = 64.0
     weight_sync_timeout_s: float = 120.0
+    # MoE policies: replay (the trainer's forward uses the experts the engine routed each sampled
+    # token to; R3) | off (the trainer recomputes routing) | freeze_router (recompute; router
+    # weights get no updates). Ignored for dense models.
+    moe_routing: str = "replay"
 
 
 @dataclass
@@ -235,6 +239,8 @@ def validate(cfg: Config) -> None:
         (t.num_ranks >= 1, f"trainer.num_ranks must be >= 1 (got {t.num_ranks})"),
         (t.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1"),
         (t.lr > 0, f"trainer.lr must be > 0 (got {t.lr})"),
+        (t.moe_routing in ("replay", "off", "freeze_router"),
+         f"trainer.moe_routing '{t.moe_routing}' unknown; valid: replay, off, freeze_router"),
         (r.groups_per_step >= 1, "rollout.groups_per_step must be >= 1"),
         (r.group_size >= 1, "rollout.group_size must be >= 1"),
         (r.max_staleness >= 0, "rollout.max_staleness must be >= 0"),

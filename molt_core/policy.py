@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM
 
-from molt_core import weight_sync
+from molt_core import moe, weight_sync
 from molt_core.algos import aggregate, is_correction
 from molt_core.config import TrainerConfig
 
@@ -36,14 +36,22 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   loss_mask: torch.Tensor, temperature: float, chunk: int) -> torch.Tensor:
+                   loss_mask: torch.Tensor, temperature: float, chunk: int,
+                   routed_experts: torch.Tensor | None = None, moe_routing: str = "replay",
+                   routing_out: list | None = None) -> torch.Tensor:
     """[b, T] log p(input_ids[:, t] | input_ids[:, <t]) / temperature at trainable t, 0 elsewhere.
 
     Only trainable positions go through `lm_head`, `chunk` tokens at a time; with grad enabled each
     chunk is recomputed in backward, so peak memory is [chunk, vocab] rather than [tokens, vocab].
+    MoE models: `routed_experts` [b, T, layers, k] (-1 = none) is the engine's routing, replayed
+    when `moe_routing` is "replay" (see `molt_core.moe.routing`); `routing_out` receives the
+    [b, T, layers, k] expert ids the forward used.
     """
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask,
-                         use_cache=False).last_hidden_state                      # [b, T, H]
+    with moe.routing(model, routed_experts, moe_routing) as routing:
+        hidden = model.model(input_ids=input_ids, attention_mask=attention_mask,
+                             use_cache=False).last_hidden_state                  # [b, T, H]
+    if routing_out is not None and routing.used:
+        routing_out.append(routing.ids().view(*input_ids.shape, *routing.ids().shape[1:]))
     rows, cols = loss_mask[:, 1:].nonzero(as_tuple=True)    # hidden[:, t] predicts token t+1
     h, targets = hidden[rows, cols], input_ids[rows, cols + 1]                   # [N, H], [N]
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=hidden.device)
@@ -80,6 +88,10 @@ class PolicyWorker:
         mesh = init_device_mesh(self.device.type, (world_size,))
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
         model.to(self.device)
+        self.moe = moe.is_moe(model)
+        if self.moe and trainer["moe_routing"] == "freeze_router":
+            for gate in moe.moe_gates(model):
+                gate.requires_grad_(False)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -90,7 +102,8 @@ class PolicyWorker:
         model.molt_token_logprobs = functools.partial(token_logprobs, model)
         register_fsdp_forward_method(model, "molt_token_logprobs")
         self.model = model
-        self.optim = torch.optim.AdamW(model.parameters(), lr=trainer["lr"],
+        self.optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                       lr=trainer["lr"],
                                        betas=tuple(trainer["betas"]),
                                        weight_decay=trainer["weight_decay"])
 
@@ -106,10 +119,13 @@ class PolicyWorker:
             mbs.append({k: v[:, :T] for k, v in mb.items()})
         return mbs
 
-    def _logprobs(self, mb: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+    def _logprobs(self, mb: dict[str, torch.Tensor], temperature: float,
+                  routing_out: list | None = None) -> torch.Tensor:
         return self.model.molt_token_logprobs(mb["input_ids"], mb["attention_mask"],
                                               mb["loss_mask"], temperature,
-                                              self.cfg["logprob_chunk"])
+                                              self.cfg["logprob_chunk"],
+                                              mb.get("routed_experts"),
+                                              self.cfg["moe_routing"], routing_out)
 
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, loss_args: dict,
                    loss_agg: str, num_tokens: int, num_seqs: int, temperature: float,
@@ -129,7 +145,8 @@ class PolicyWorker:
         max_abs = 0.0
         for mb in self._micro_batches(batch):
             mask = mb["loss_mask"]
-            lp = self._logprobs(mb, temperature)
+            used: list[torch.Tensor] = []
+            lp = self._logprobs(mb, temperature, used)
             behavior = mb["behavior_logprobs"]
             if correction == "none":
                 per_token, metrics = loss_fn(lp, behavior, mb["advantages"], mask, **loss_args)
@@ -152,6 +169,14 @@ class PolicyWorker:
                 k3 = float((diff.exp() - 1 - diff).sum())  # k3 estimate of KL(behavior || trainer)
                 named = {"mismatch/kl": (k3, n_tok), "mismatch_kl": (k3, n_tok),
                          "mismatch/on_policy_fraction": (float(on_policy.sum()), n_tok)}
+                rec = mb.get("routed_experts")
+                if used and rec is not None:
+                    # Share of recorded (token, layer) routings the trainer's forward used as is:
+                    # 1.0 under replay; with replay off, how often trainer and engine agree.
+                    has = (rec >= 0).all(-1) & mb["attention_mask"][..., None]   # [b, T, L]
+                    same = (used[0].sort(-1).values == rec.sort(-1).values.to(used[0])).all(-1)
+                    named["moe/routing_agreement"] = (float((same & has).sum()),
+                                                      float(has.sum()))
                 for k, v in metrics.items():
                     v = v.detach()
                     named[k] = ((float((v * mask).sum()), n_tok) if v.shape == mask.shape
@@ -170,17 +195,26 @@ class PolicyWorker:
                 "time": {"train/fwd_bwd_s": t1 - t0, "train/optim_s": time.perf_counter() - t1}}
 
     @torch.no_grad()
-    def logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
-        """[b, T] trainer log-probs of trainable tokens (0 elsewhere), pre-update weights."""
+    def logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0,
+                 with_routing: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """[b, T] trainer log-probs of trainable tokens (0 elsewhere), pre-update weights;
+        `with_routing` (MoE): also the [b, T, layers, k] expert ids the forward used (-1: pad)."""
         B, T = batch["input_ids"].shape
         out = torch.zeros(B, T)
+        ids: torch.Tensor | None = None
         s = 0
         for mb in self._micro_batches(batch):
-            lp = self._logprobs(mb, temperature).cpu()
+            used: list[torch.Tensor] = []
+            lp = self._logprobs(mb, temperature, used).cpu()
             out[s:s + lp.shape[0], :lp.shape[1]] = lp
+            if with_routing and used:
+                u = used[0].cpu().to(torch.int32)
+                if ids is None:
+                    ids = torch.full((B, T, *u.shape[2:]), -1, dtype=torch.int32)
+                ids[s:s + u.shape[0], :u.shape[1]] = u
             s += lp.shape[0]
         self.model.reshard()            # the root keeps its params gathered after forward
-        return out
+        return (out, ids) if with_routing else out
 
     def _named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.model.named_parameters():
@@ -243,7 +277,8 @@ def _pad_rows(batch: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]
         return batch
     out = {}
     for k, v in batch.items():
-        fill = torch.full((n, *v.shape[1:]), -1 if k == "versions" else 0, dtype=v.dtype)
+        fill = torch.full((n, *v.shape[1:]), -1 if k in ("versions", "routed_experts") else 0,
+                          dtype=v.dtype)
         if k == "attention_mask":
             fill[:, 0] = True
         out[k] = torch.cat([v, fill])
@@ -306,12 +341,19 @@ class Policy:
                 metrics[k] = reduce(o[group][k] for o in outs)
         return metrics
 
-    def logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
-        """[B, T] trainer log-probs at trainable positions, 0 elsewhere."""
+    def logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0,
+                 with_routing: bool = False
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, T] trainer log-probs at trainable positions, 0 elsewhere; `with_routing` (MoE):
+        also the [B, T, layers, k] expert ids the trainer's forward used (None if dense)."""
         B = batch["input_ids"].shape[0]
-        parts = self._get([w.logprobs.remote(p, temperature)
+        parts = self._get([w.logprobs.remote(p, temperature, with_routing)
                            for w, p in zip(self.workers, self._split(batch))], "logprobs")
-        return torch.cat(parts)[:B]
+        if not with_routing:
+            return torch.cat(parts)[:B]
+        lp = torch.cat([p[0] for p in parts])[:B]
+        ids = None if parts[0][1] is None else torch.cat([p[1] for p in parts])[:B]
+        return lp, ids
 
     def full_params(self) -> dict[str, torch.Tensor]:
         """Gathered parameters by HF name."""

@@ -28,6 +28,9 @@ class Completion:
     logprobs: list[float]                 # log p(token) after temperature, at sampling time
     versions: list[int]                   # weight version that sampled each token
     finish_reason: str = "stop"           # stop | length | abort
+    # MoE engines: [n_tokens][n_moe_layers][top_k] expert ids each token was routed to when it
+    # was fed to the model (-1 rows: never fed, e.g. the last sampled token); None for dense.
+    routed_experts: list[list[list[int]]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -35,6 +38,9 @@ class Completion:
             raise InvariantError(
                 f"engine returned {n} token ids but {len(self.logprobs)} log-probs and "
                 f"{len(self.versions)} versions; every sampled token needs exactly one of each")
+        if self.routed_experts is not None and len(self.routed_experts) != n:
+            raise InvariantError(f"engine returned {n} token ids but routing for "
+                                 f"{len(self.routed_experts)}")
 
 
 @dataclass
@@ -51,6 +57,9 @@ class Trajectory:
     turn_rewards: list[float] | None = None
     truncated: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+    # MoE routing replay: per token [n_moe_layers][top_k] expert ids, -1 rows where the engine
+    # recorded none (prompt/env tokens); None until a completion carrying routing is added.
+    routed_experts: list[list[list[int]]] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -62,9 +71,17 @@ class Trajectory:
         self.loss_mask += [False] * n
         self.logprobs += [0.0] * n
         self.versions += [-1] * n
+        if self.routed_experts is not None:
+            self.routed_experts += [_sentinel(self.routed_experts[0])] * n
 
     def add_completion(self, c: Completion) -> None:
         """Append the engine's sampled tokens as trainable, with their behavior log-probs."""
+        if c.routed_experts is not None and c.routed_experts:
+            if self.routed_experts is None:
+                self.routed_experts = [_sentinel(c.routed_experts[0])] * len(self.token_ids)
+            self.routed_experts += c.routed_experts
+        elif self.routed_experts is not None:
+            self.routed_experts += [_sentinel(self.routed_experts[0])] * len(c.token_ids)
         self.token_ids += c.token_ids
         self.loss_mask += [True] * len(c.token_ids)
         self.logprobs += c.logprobs
@@ -86,14 +103,16 @@ class Trajectory:
                 continue
             out.append(Trajectory(self.group_id, self.rollout_id, self.token_ids[a:b],
                                   self.loss_mask[a:b], self.logprobs[a:b], self.versions[a:b],
-                                  [0], self.reward, self.turn_rewards, self.truncated, self.info))
+                                  [0], self.reward, self.turn_rewards, self.truncated, self.info,
+                                  None if self.routed_experts is None
+                                  else self.routed_experts[a:b]))
         return out
 
     def check(self, vocab_size: int | None = None) -> None:
         """Raise `InvariantError` naming the first violated invariant."""
         n = len(self.token_ids)
-        for name in ("loss_mask", "logprobs", "versions"):
-            if len(getattr(self, name)) != n:
+        for name in ("loss_mask", "logprobs", "versions", "routed_experts"):
+            if getattr(self, name) is not None and len(getattr(self, name)) != n:
                 raise InvariantError(f"trajectory {self.group_id}/{self.rollout_id}: {name} has "
                                      f"{len(getattr(self, name))} entries for {n} tokens")
         for i, (tok, m, lp, v) in enumerate(zip(self.token_ids, self.loss_mask, self.logprobs,
@@ -134,4 +153,21 @@ def collate(trajs: list[Trajectory], advantages: list[list[float]], pad_id: int 
         out["behavior_logprobs"][i, :n] = torch.tensor(t.logprobs)
         out["advantages"][i, :n] = torch.tensor(adv)
         out["versions"][i, :n] = torch.tensor(t.versions)
+    shapes = {(len(t.routed_experts[0]), len(t.routed_experts[0][0]))
+              for t in trajs if t.routed_experts}
+    if len(shapes) > 1:
+        raise InvariantError(f"trajectories carry routing of different shapes (layers, top_k): "
+                             f"{sorted(shapes)}")
+    if shapes:
+        (L, k), = shapes
+        out["routed_experts"] = torch.full((B, T, L, k), -1, dtype=torch.int32)
+        for i, t in enumerate(trajs):
+            if t.routed_experts:
+                out["routed_experts"][i, :len(t)] = torch.tensor(t.routed_experts,
+                                                                 dtype=torch.int32)
     return out
+
+
+def _sentinel(row: list[list[int]]) -> list[list[int]]:
+    """A routing row of the same [layers][top_k] shape, all -1 (no recorded routing)."""
+    return [[-1] * len(r) for r in row]

@@ -10,6 +10,12 @@ parameters, left-pads and prefills them, then decodes step by step, yielding to 
 between steps. Forward passes run on the event-loop thread, so `pause`/`update_weights` always
 land between two steps. After a weight update the wave's KV cache is recomputed (re-prefill of
 prompt + tokens so far) so each token's log-prob is exactly that of the weights that sampled it.
+
+MoE models (routing replay, R3): every forward runs the routers in fp32 (`molt_core.moe`) and each
+completion carries `routed_experts`, the top-k experts every generated token was routed to when it
+was fed to the model (the last token is never fed: sentinel -1 row; a re-prefill after a weight
+update overwrites earlier tokens' routing with the one their new KV cache was built from). Prompt
+tokens' routing is not recorded: the trainer recomputes it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
 
+from molt_core import moe
 from molt_core.engines import SAMPLING_KEYS, check_sampling
 from molt_core.trajectory import Completion
 
@@ -37,6 +44,7 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    routed: list[list[list[int]] | None] = field(default_factory=list)  # MoE: per token
     finish_reason: str | None = None
 
     def key(self) -> tuple:
@@ -58,6 +66,10 @@ class HFEngine:
         self.pad_id: int = config.pad_token_id if config.pad_token_id is not None else 0
         self.default_stop_ids = frozenset(_eos_ids(model_path, config))
         self.max_batch_size = max_batch_size
+        # MoE: record per token and MoE layer the top-k experts it was routed to (R3); the
+        # router runs in fp32, as in the trainer (molt_core.moe).
+        gates = moe.moe_gates(self.model)
+        self._moe_sentinel = [[-1] * g.top_k for g in gates] if gates else None
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         # All names a sender may use (tied aliases included) -> the parameter they update.
         self._params: dict[str, torch.nn.Parameter] = dict(
@@ -208,11 +220,20 @@ class HFEngine:
                 rows = [r for r in wave if r.finish_reason is None]
                 if not rows:
                     return
-                logits, cache, mask, pos, seen = self._prefill(rows)
+                logits, cache, mask, pos, seen, routed = self._prefill(rows)
                 epoch = self._weights_epoch
+                if routed is not None:   # [B, L, layers, k]: each token fed so far
+                    width = routed.shape[1]
+                    for i, r in enumerate(rows):
+                        start = width - len(r.tokens)
+                        r.routed = routed[i, start:].tolist() if r.tokens else []
             else:
-                logits = self._step(next_ids, cache, mask, pos)
+                logits, routed = self._step(next_ids, cache, mask, pos)
                 self._stats["decode_steps"] += 1
+                if routed is not None:   # [B, layers, k]: the token each row just fed
+                    for r, ids in zip(rows, routed.tolist()):
+                        if r.finish_reason is None:
+                            r.routed[-1] = ids
             tokens, logprobs = self._sample(logits, seen, s)
             seen[torch.arange(len(rows)), tokens] = True
             for r, t, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
@@ -223,6 +244,7 @@ class HFEngine:
                 r.tokens.append(t)
                 r.logprobs.append(lp)
                 r.versions.append(self._version)
+                r.routed.append(None)
                 self._stats["tokens_generated"] += 1
                 if t in r.stop_ids:
                     r.finish_reason = "stop"
@@ -231,8 +253,10 @@ class HFEngine:
                     r.finish_reason = "length"
                 if r.finish_reason is not None:
                     self._stats["requests"] += 1
-                    r.future.set_result(
-                        Completion(r.tokens, r.logprobs, r.versions, r.finish_reason))
+                    routed = None if self._moe_sentinel is None else [
+                        x if x is not None else self._moe_sentinel for x in r.routed]
+                    r.future.set_result(Completion(r.tokens, r.logprobs, r.versions,
+                                                   r.finish_reason, routed))
             if all(r.finish_reason is not None for r in rows):
                 return
             # Finished rows keep decoding a pad token (ignored) so the batch shape stays fixed.
@@ -255,20 +279,24 @@ class HFEngine:
         ids, mask = ids.to(self.device), mask.to(self.device)
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        with moe.routing(self.model, mode="off") as routing:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+        routed = (routing.ids().view(*ids.shape, *routing.ids().shape[1:])
+                  if self._moe_sentinel is not None else None)
         seen = torch.zeros(len(seqs), out.logits.shape[-1], dtype=torch.bool, device=self.device)
         seen.scatter_(1, ids, mask.bool())  # [B, V]: tokens present (for repetition penalty)
         self._stats["prefills"] += 1
         self._stats["prefill_tokens"] += sum(len(x) for x in seqs)
-        return out.logits[:, -1], out.past_key_values, mask, position_ids[:, -1:], seen
+        return out.logits[:, -1], out.past_key_values, mask, position_ids[:, -1:], seen, routed
 
     @torch.no_grad()
     def _step(self, next_ids: torch.Tensor, cache: DynamicCache, mask: torch.Tensor,
-              pos: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=next_ids, attention_mask=mask, position_ids=pos,
-                         past_key_values=cache, use_cache=True)
-        return out.logits[:, -1]
+              pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with moe.routing(self.model, mode="off") as routing:
+            out = self.model(input_ids=next_ids, attention_mask=mask, position_ids=pos,
+                             past_key_values=cache, use_cache=True)
+        return out.logits[:, -1], routing.ids() if self._moe_sentinel is not None else None
 
     @torch.no_grad()
     def _sample(self, logits: torch.Tensor, seen: torch.Tensor, s: dict

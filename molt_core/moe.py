@@ -1,0 +1,95 @@
+"""Mixture-of-experts routing: record it in the engine, replay it in the trainer (R3).
+
+A MoE block here is any module with a `gate` router (`top_k`, `num_experts`, `weight`) and an
+`experts` module, as Qwen3-MoE's `Qwen3MoeSparseMoeBlock` in transformers 5.x: the gate maps
+hidden [N, H] to (router_logits, top-k weights, top-k expert ids [N, k]). Layers are numbered by
+their order among the model's MoE blocks (dense layers are skipped).
+
+`routing(model, replay, mode)`: patches the gates' `forward` on the instances (undone on exit;
+  nothing is patched globally) so the router runs in fp32 and, where `replay` holds ids (>= 0),
+  those experts are used instead of the router's own top-k; their weights come from the current
+  router probabilities at those ids, so the router still gets gradients. Positions with the
+  sentinel -1 route normally. The ids actually used by the last forward are kept in `.used`
+  (one [N, k] per layer): the engine records routing from it, with mode "off".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["MOE_ROUTING", "is_moe", "moe_gates", "routing"]
+
+MOE_ROUTING = ("replay", "off", "freeze_router")
+
+
+def moe_gates(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The router modules of the model's MoE blocks, in layer order (empty for dense models)."""
+    gates = []
+    for m in model.modules():
+        gate = getattr(m, "gate", None)
+        if (isinstance(gate, torch.nn.Module) and hasattr(m, "experts")
+                and hasattr(gate, "top_k") and hasattr(gate, "weight")):
+            gates.append(gate)
+    return gates
+
+
+def is_moe(model: torch.nn.Module) -> bool:
+    return bool(moe_gates(model))
+
+
+class _Routing:
+    def __init__(self, n_layers: int) -> None:
+        self.used: list[torch.Tensor | None] = [None] * n_layers
+
+    def ids(self) -> torch.Tensor:
+        """[N, L, k] expert ids the last forward used (N = its flattened positions)."""
+        return torch.stack(self.used, dim=1)
+
+
+@contextlib.contextmanager
+def routing(model: torch.nn.Module, replay: torch.Tensor | None = None,
+            mode: str = "replay") -> Iterator[_Routing]:
+    """Run the MoE gates in fp32, replaying `replay` ids ([b, T, L, k], -1 = route normally)
+    when `mode` is "replay"; "freeze_router" also cuts the router's gradient. See module doc."""
+    if mode not in MOE_ROUTING:
+        raise ValueError(f"moe routing mode '{mode}' unknown; valid: {', '.join(MOE_ROUTING)}")
+    gates = moe_gates(model)
+    state = _Routing(len(gates))
+    if replay is not None and replay.shape[2] != len(gates):
+        raise ValueError(f"recorded routing has {replay.shape[2]} MoE layers, the trainer's model "
+                         f"has {len(gates)}: engine and trainer models differ")
+    for layer, gate in enumerate(gates):
+        ids = replay[:, :, layer].reshape(-1, replay.shape[-1]) if (
+            replay is not None and mode == "replay") else None
+        gate.forward = _gate_forward(gate, ids, state, layer, mode == "freeze_router")
+    try:
+        yield state
+    finally:
+        for gate in gates:
+            del gate.forward        # back to the class's forward
+
+
+def _gate_forward(gate: torch.nn.Module, replay: torch.Tensor | None, state: _Routing,
+                  layer: int, frozen: bool):
+    def forward(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = hidden.reshape(-1, gate.weight.shape[-1])
+        weight = gate.weight.detach() if frozen else gate.weight
+        logits = F.linear(hidden.float(), weight.float())                       # [N, E] fp32
+        probs = logits.softmax(-1)
+        idx = torch.topk(probs, gate.top_k, dim=-1).indices                     # [N, k]
+        if replay is not None:
+            ids = replay.to(idx.device, torch.long)
+            if ids.shape[0] != idx.shape[0]:
+                raise ValueError(f"recorded routing covers {ids.shape[0]} positions, the forward "
+                                 f"has {idx.shape[0]}")
+            idx = torch.where(ids >= 0, ids, idx)
+        top = probs.gather(-1, idx)
+        if getattr(gate, "norm_topk_prob", True):
+            top = top / top.sum(-1, keepdim=True)
+        state.used[layer] = idx.detach()
+        return logits.to(hidden.dtype), top.to(hidden.dtype), idx
+    return forward
