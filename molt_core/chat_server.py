@@ -47,7 +47,7 @@ from fastapi.responses import JSONResponse
 
 from molt_core.trajectory import Completion, Trajectory
 
-__all__ = ["ChatServer", "ChatSession", "parse_tool_calls", "shared_server"]
+__all__ = ["ChatServer", "ChatSession", "parse_tool_calls", "shared_server", "shutdown_shared"]
 
 GenerateFn = Callable[[list[int], dict], Awaitable[Completion]]
 
@@ -462,3 +462,10 @@ async def shared_server() -> ChatServer:
         server = _servers[loop] = ChatServer()
     await server.start()
     return server
+
+
+async def shutdown_shared() -> None:
+    """Close the running loop's shared server, if one was started (the generator's close)."""
+    server = _servers.pop(asyncio.get_running_loop(), None)
+    if server is not None:
+        await server.close()

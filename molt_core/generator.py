@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -270,6 +271,12 @@ class Generator:
         if self._inflight:
             try:
                 self.submit(self._cancel_all()).result(timeout=5)
+            except Exception:  # closing anyway
+                pass
+        chat = sys.modules.get("molt_core.chat_server")   # imported only by chat agents
+        if chat is not None:
+            try:
+                self.submit(chat.shutdown_shared()).result(timeout=5)
             except Exception:  # closing anyway
                 pass
         self.loop.call_soon_threadsafe(self.loop.stop)

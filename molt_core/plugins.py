@@ -32,6 +32,7 @@ KINDS = {
     "rollout_scheme": ("molt_rollout_schemes", "rollout.scheme"),
     "config_section": ("molt_config_sections", None),
     "reward": ("molt_rewards", None),
+    "chat_agent": ("molt_chat_agents", None),
 }
 
 

@@ -377,3 +377,16 @@ def test_auth_unknown_session_and_loopback_only(tiny_model_dir, tok):
                      "ok": 200, "anthropic_ok": 200}
     assert bound == "127.0.0.1"
     assert refused and all(refused.values()), refused
+
+
+def test_generator_close_shuts_the_shared_server_down(tiny_model_dir):
+    from molt_core.chat_server import shared_server
+    from molt_core.cli import load
+    from molt_core.generator import Generator
+
+    gen = Generator(None, [], load(None, [f"model.path={tiny_model_dir}"])[0], None, 0)
+    server = gen.submit(shared_server()).result(timeout=10)
+    socket.create_connection((server.host, server.port), timeout=2).close()   # serving
+    gen.close()
+    with pytest.raises(OSError):
+        socket.create_connection((server.host, server.port), timeout=2).close()

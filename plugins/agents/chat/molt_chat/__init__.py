@@ -51,18 +51,13 @@ class ChatAgent:
 class ChatRunner:
     """The `chat` agent: `agent.args = {agent: NAME, agent_args: {...}, max_segments: N}`.
 
-    `max_segments` drops (as an agent error) rollouts whose template re-rendered history more
-    than N-1 times; set 1 while the trainer cannot split segments (`Trajectory.split_segments`).
+    `max_segments` (optional) drops, as an agent error, rollouts whose template re-rendered
+    history more than N-1 times; not needed for training (the trainer splits segments into rows).
     """
 
     def __init__(self, cfg: Any, tokenizer: Any, plugins: Any, *, agent: str,
                  agent_args: dict | None = None, max_segments: int | None = None) -> None:
-        registry = _chat_agents(plugins)
-        if agent not in registry:
-            raise ValueError(f"unknown chat agent '{agent}'; valid: "
-                             f"{', '.join(sorted(registry)) or '(none)'} (register one with the "
-                             "molt_chat_agents hook)")
-        self.agent_cls = registry[agent]
+        self.agent_cls = plugins.get("chat_agent", agent)   # registered by `molt_chat_agents`
         self.agent_args = agent_args or {}
         self.tok = tokenizer
         self.max_segments = max_segments
@@ -94,19 +89,6 @@ class ChatRunner:
             traj.reward = float(result)
         traj.info.update(chat.info)
         return traj
-
-
-def _chat_agents(plugins: Any) -> dict[str, type]:
-    """Merge `molt_chat_agents` results; a name registered twice is an error naming both."""
-    out: dict[str, type] = {}
-    owner: dict[str, str] = {}
-    for impl in plugins.hook.molt_chat_agents.get_hookimpls():
-        for name, cls in (impl.function() or {}).items():
-            if name in out:
-                raise ValueError(f"chat agent '{name}' is registered by both plugin "
-                                 f"'{owner[name]}' and plugin '{impl.plugin_name}'")
-            out[name], owner[name] = cls, impl.plugin_name
-    return out
 
 
 @hookimpl

@@ -13,7 +13,7 @@ from molt_core.chat_server import shared_server
 from molt_core.config import Config
 from molt_core.engines.hf import HFEngine
 from molt_core.generator import RolloutContext
-from molt_core.plugins import build_plugins
+from molt_core.plugins import PluginError, build_plugins
 
 COLD = {"temperature": 0.05, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
         "max_new_tokens": 40}
@@ -87,5 +87,5 @@ def test_agent_errors_propagate_and_close_the_session(chat_tiny_dir):
 
 
 def test_unknown_chat_agent_lists_valid(chat_tiny_dir):
-    with pytest.raises(ValueError, match="unknown chat agent 'nope'; valid: calculator"):
+    with pytest.raises(PluginError, match="unknown chat_agent 'nope'; valid: calculator"):
         runner_for(chat_tiny_dir, agent="nope")
