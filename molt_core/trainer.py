@@ -6,7 +6,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import structlog
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
@@ -18,8 +17,6 @@ from molt_core.plugins import Plugins
 from molt_core.trajectory import Trajectory, collate
 
 __all__ = ["ForwardConsistencyError", "train"]
-
-log = structlog.get_logger("molt.trainer")
 
 
 class ForwardConsistencyError(RuntimeError):
@@ -73,7 +70,6 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                 plugins.hook.molt_on_step_end(step=step, metrics=metrics)
                 sink.log(step, metrics)
                 history.append(metrics)
-                log.debug("step", step=step, reward=metrics["reward/mean"])
         finally:
             sink.close()
             generator.close()
