@@ -16,7 +16,7 @@ from molt_core.metrics import MetricsSink
 from molt_core.plugins import Plugins
 from molt_core.trajectory import Trajectory, collate
 
-__all__ = ["ForwardConsistencyError", "train"]
+__all__ = ["ForwardConsistencyError", "check_consistency", "probe_consistency", "train"]
 
 
 class ForwardConsistencyError(RuntimeError):
@@ -60,10 +60,15 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                                        cfg.sampling.temperature, alg.correction,
                                        alg.correction_args, version)
                 t2 = time.perf_counter()
-                check_consistency(cfg, step, metrics)
                 metrics.update(rollout_metrics(trajs, rewards, adv, version), **generator.counters)
                 version = scheme.after_train(step)
                 t3 = time.perf_counter()
+                if consistency_due(cfg, step) and not metrics.get("mismatch/on_policy_fraction"):
+                    # async/partial: no token of this batch came from the weights just trained,
+                    # so probe fresh on-policy tokens of the weights just pushed instead
+                    metrics["mismatch/max_abs"] = probe_consistency(generator, policy, version,
+                                                                    cfg.sampling.temperature)
+                check_consistency(cfg, step, metrics)
                 metrics.update({"version": version, "time/generate_s": t_gen,
                                 "time/train_s": t2 - t1, "time/weight_sync_s": t3 - t2,
                                 "time/step_s": time.perf_counter() - t0})
@@ -76,10 +81,28 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
     return history
 
 
+def consistency_due(cfg: Config, step: int) -> bool:
+    every = cfg.check.consistency_every
+    return bool(every) and step % every == 0
+
+
+def probe_consistency(generator: Generator, policy: Any, version: int, temperature: float
+                      ) -> float:
+    """Max |engine - trainer| log-prob over the trainable tokens of one fresh group that the
+    engines sampled with `version` (the trainer's current weights)."""
+    generator.counters["check/probe_groups"] += 1
+    segs = [s for g in generator.generate(1) for t in g for s in t.split_segments()]
+    batch = collate(segs, [[0.0] * len(s) for s in segs])
+    on = batch["loss_mask"] & (batch["versions"] == version)
+    if not on.any():
+        return 0.0
+    lp = policy.logprobs(batch, temperature)
+    return float((lp - batch["behavior_logprobs"]).abs()[on].max())
+
+
 def check_consistency(cfg: Config, step: int, metrics: dict[str, Any]) -> None:
     """Invariant 3: on on-policy tokens the trainer must reproduce the engine's log-probs."""
-    every = cfg.check.consistency_every
-    if not every or step % every:
+    if not consistency_due(cfg, step):
         return
     gap = metrics.get("mismatch/max_abs", 0.0)
     if gap > cfg.check.consistency_tol:
@@ -94,7 +117,7 @@ def check_consistency(cfg: Config, step: int, metrics: dict[str, Any]) -> None:
 def rollout_metrics(trajs: list[Trajectory], rewards: torch.Tensor, adv: torch.Tensor,
                     version: int = 0) -> dict[str, float]:
     lens = torch.tensor([t.num_trainable for t in trajs], dtype=torch.float32)
-    return {**version_lag_metrics(trajs, version),"reward/mean": rewards.mean().item(), "reward/max": rewards.max().item(),
+    return {**version_lag_metrics(trajs, version), "reward/mean": rewards.mean().item(), "reward/max": rewards.max().item(),
             "reward/min": rewards.min().item(), "adv/abs_mean": adv.abs().mean().item(),
             "response/len_mean": lens.mean().item(),
             "response/truncated": sum(t.truncated for t in trajs) / len(trajs),

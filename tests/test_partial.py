@@ -17,7 +17,7 @@ from molt_core.config import TrainerConfig
 from molt_core.engines.hf import HFEngine
 from molt_core.generator import Generator
 from molt_core.policy import Policy, token_logprobs
-from molt_core.trainer import train
+from molt_core.trainer import probe_consistency, train
 from molt_core.trajectory import Trajectory, collate
 from molt_grpo import ppo_clip_loss
 from molt_rollout_partial import PartialScheme
@@ -140,6 +140,11 @@ def test_partial_rollout_switches_versions_inside_a_response(ray_local, tiny_mod
         assert c["rollout/started_groups"] == len(out) + c["rollout/dropped/incomplete_group"]
         assert c["rollout/dropped/incomplete_group"] == 0
         assert agent.calls == sum(map(len, out)) == ray.get(engine.stats.remote())["requests"]
+        # forward-consistency probe on fresh tokens of the pushed weights (async batches may hold
+        # none): engine and trainer agree; a trainer at another temperature shows the gap
+        assert probe_consistency(gen, policy, 1, 1.0) < 1e-4
+        assert probe_consistency(gen, policy, 1, 0.5) > 1e-2
+        assert gen.counters["check/probe_groups"] == 2
     finally:
         gen.close()
         policy.shutdown()
@@ -170,3 +175,5 @@ def test_cpu_recipe_learns_off_policy(ray_local, tiny_chars_dir, tmp_path, schem
     assert end >= 0.7
     assert all(h.get("rollout/version_lag_max", 0) <= 1 for h in history)
     assert any(h.get("rollout/version_lag_max", 0) == 1 for h in history)    # it did overlap
+    if scheme == "async":   # batches without on-policy tokens: consistency probed on fresh ones
+        assert history[-1].get("check/probe_groups", 0) >= 1
