@@ -109,7 +109,8 @@ def molt_filter_batch(groups: list[list[Trajectory]], step: int,
                       ) -> list[list[Trajectory]] | None:
     """Filter or reshape the groups of a training batch before advantages are computed.
 
-    `refill(n)` generates `n` more complete groups (blocking), so a filter can keep the batch
+    `refill(n)` returns `n` more complete groups (blocking; the rollout scheme's `refill` when it
+    has one, e.g. from the streaming pool), so a filter can keep the batch
     size (e.g. DAPO dynamic sampling). Return the new list of groups, or None to leave it
     unchanged. Implementations are chained: each receives the previous one's result.
     """

@@ -44,7 +44,7 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                 groups = scheme.next_batch(step)
                 t_gen = time.perf_counter() - t0
                 for impl in reversed(plugins.hook.molt_filter_batch.get_hookimpls()):
-                    kw = {"groups": groups, "step": step, "refill": generator.generate}
+                    kw = {"groups": groups, "step": step, "refill": getattr(scheme, "refill", generator.generate)}
                     groups = impl.function(**{k: kw[k] for k in impl.argnames}) or groups
                 trajs = [t for g in groups for t in g]
                 rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)

@@ -121,6 +121,9 @@ def test_max_staleness_never_trains_an_older_token(tiny_model_dir, k):
     lags = [5 - v for g in batch for t in g for v, m in zip(t.versions, t.loss_mask) if m]
     assert max(lags) <= k
     assert pool.counters["rollout/dropped/stale_group"] >= 1
+    more = scheme.refill(2)        # what a batch filter (DAPO) refills with: same bound
+    assert len(more) == 2
+    assert all(5 - v <= k for g in more for t in g for v, m in zip(t.versions, t.loss_mask) if m)
     if k == 0:      # exactly on-policy: every trained token was sampled by the trained weights
         assert set(lags) == {0}
         assert version_lag_metrics([t for g in batch for t in g], 5)["rollout/version_lag/0"] == 1

@@ -31,10 +31,15 @@ class AsyncScheme:
         generator.start_pool(r.max_inflight_groups or r.groups_per_step)
 
     def next_batch(self, step: int) -> list[list[Trajectory]]:
+        return self.refill(self.cfg.rollout.groups_per_step)
+
+    def refill(self, n: int) -> list[list[Trajectory]]:
+        """n finished groups from the pool within the staleness bound (also what a batch
+        filter such as DAPO's dynamic sampling gets as `refill`)."""
         r = self.cfg.rollout
         out: list[list[Trajectory]] = []
-        while len(out) < r.groups_per_step:
-            groups = self.generator.take(r.groups_per_step - len(out))
+        while len(out) < n:
+            groups = self.generator.take(n - len(out))
             out += filter_stale(groups, self.version, r.max_staleness, r.stale,
                                 self.generator.counters)
         return out
