@@ -35,12 +35,17 @@ def molt_engines() -> dict[str, type]:
 
 @hookimpl
 def molt_configure(cfg) -> None:  # noqa: ANN001 - Config, imported lazily
+    from molt_core.config import ConfigError
     if cfg.engine.name == "vllm" and not _have_vllm():
-        from molt_core.config import ConfigError
         raise ConfigError(VLLM_MISSING)
+    if cfg.trainer.backend == "automodel":
+        from molt_core.automodel import AUTOMODEL_MISSING, automodel_missing
+        if automodel_missing():
+            raise ConfigError(AUTOMODEL_MISSING)
 
 
 @hookimpl
 def molt_trainer_backends() -> dict[str, type]:
+    from molt_core.automodel import AutoModelPolicy
     from molt_core.policy import Policy
-    return {"fsdp2": Policy}
+    return {"fsdp2": Policy, "automodel": AutoModelPolicy}

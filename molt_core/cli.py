@@ -68,6 +68,7 @@ def check_against_plugins(cfg: Config, plugins: Plugins) -> None:
     _check_kwargs("algorithm.loss_args", plugins.get("loss", cfg.algorithm.loss),
                   cfg.algorithm.loss_args)
     _check_kwargs("agent.args", plugins.get("agent", cfg.agent.name), cfg.agent.args)
+    _check_kwargs("engine.args", plugins.get("engine", cfg.engine.name), cfg.engine.args)
 
 
 def _check_kwargs(where: str, fn: Any, kwargs: dict) -> None:
@@ -127,7 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = make_run_dir(cfg.out_dir, cfg.name, to_dict(cfg), plugins.info, cfg.seed,
                            ["molt", *argv])
     print(f"run dir: {run_dir}", file=sys.stderr)
-    history = train(cfg, plugins, run_dir, progress=not args.no_progress)
+    try:
+        history = train(cfg, plugins, run_dir, progress=not args.no_progress)
+    except ConfigError as e:       # found once Ray is up: the cluster cannot hold the run
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if history:
         first, last = history[0]["reward/mean"], history[-1]["reward/mean"]
         print(f"reward: first step {first:.3f} -> last step {last:.3f} ({len(history)} steps)")

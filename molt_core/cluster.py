@@ -1,4 +1,9 @@
-"""Ray placement: start (or join) Ray, start trainer ranks and rollout engines, clean up."""
+"""Ray placement: start (or join) Ray, start trainer ranks and rollout engines, clean up.
+
+Each trainer rank and each engine is one Ray actor; what it reserves (GPUs, CPUs, custom
+resources that pin roles to nodes) comes from the config (`actor_options`) and is checked against
+the cluster before anything starts (`check_resources`).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,9 @@ from typing import Any, Iterator
 import ray
 import structlog
 
-from molt_core.config import Config
+from molt_core.config import Config, ConfigError
 
-__all__ = ["init_ray", "start"]
+__all__ = ["actor_options", "check_resources", "init_ray", "start"]
 
 log = structlog.get_logger("molt.cluster")
 
@@ -31,22 +36,77 @@ def init_ray(cfg: Config) -> bool:
     return True
 
 
+def actor_options(cfg: Config, has_gpus: bool) -> tuple[dict, dict]:
+    """Ray options of one trainer rank and of one engine (-1 GPUs: one per rank and
+    `engine.tensor_parallel_size` per engine when the cluster has GPUs, else none)."""
+    t, e = cfg.trainer, cfg.engine
+    rank_gpus = t.gpus_per_rank if t.gpus_per_rank >= 0 else float(has_gpus)
+    engine_gpus = (e.gpus_per_engine if e.gpus_per_engine >= 0
+                   else float(e.tensor_parallel_size) * has_gpus)
+    return ({"num_cpus": t.cpus_per_rank, "num_gpus": rank_gpus, "resources": dict(t.resources)},
+            {"num_cpus": e.cpus_per_engine, "num_gpus": engine_gpus, "resources": dict(e.resources)})
+
+
+def _need(opts: dict) -> dict[str, float]:
+    need = {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"], **opts["resources"]}
+    return {k: float(v) for k, v in need.items() if v}
+
+
+def check_resources(cfg: Config, rank_opts: dict, engine_opts: dict,
+                    nodes: list[dict[str, float]]) -> None:
+    """Raise `ConfigError` unless every actor fits on some node and the totals fit the cluster
+    (`nodes`: each alive node's resources). Bin packing across nodes is left to Ray."""
+    roles = [("trainer rank", cfg.trainer.num_ranks, _need(rank_opts), "trainer"),
+             ("engine", cfg.engine.num_engines, _need(engine_opts), "engine")]
+    total = {k: sum(n.get(k, 0.0) for n in nodes) for r in roles for k in r[2]}
+    for role, _, need, section in roles:
+        if need and not any(all(n.get(k, 0.0) >= v for k, v in need.items()) for n in nodes):
+            raise ConfigError(
+                f"one {role} needs {need} (from {section}.gpus_per_*/cpus_per_*/resources) but no "
+                f"Ray node has that much; nodes: {[_short(n) for n in nodes]}")
+    for k, have in total.items():
+        want = sum(count * need.get(k, 0.0) for _, count, need, _ in roles)
+        if want > have + 1e-9:
+            parts = " + ".join(f"{count} {role}s x {need.get(k, 0.0):g}"
+                               for role, count, need, _ in roles if need.get(k))
+            raise ConfigError(
+                f"the run needs {want:g} {k} ({parts}) but the Ray cluster has {have:g}: lower "
+                "trainer.num_ranks / engine.num_engines (or the per-actor amounts), or point "
+                "ray.address at a larger cluster")
+
+
+def _short(node: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in node.items() if k in ("CPU", "GPU") or not k.startswith(("node:",
+            "memory", "object_store_memory", "accelerator_type"))}
+
+
 @contextmanager
 def start(cfg: Config, plugins: Any) -> Iterator[tuple[Any, list[Any]]]:
     """Yield `(policy, engines)`; everything started here is stopped on exit."""
     started = init_ray(cfg)
-    engine_cls = ray.remote(plugins.get("engine", cfg.engine.name))
-    backend = plugins.get("trainer_backend", cfg.trainer.backend)
     engines, policy = [], None
     try:
-        engines = [engine_cls.options(num_cpus=cfg.engine.cpus_per_engine,
-                                      name=f"molt-engine-{i}-{os.getpid()}").remote(
-                       cfg.model.path, dtype=cfg.model.dtype,
-                       max_batch_size=cfg.engine.max_batch_size, seed=cfg.seed + 1000 * i)
-                   for i in range(cfg.engine.num_engines)]
-        policy = backend(cfg.model.path, cfg.trainer, dtype=cfg.model.dtype, seed=cfg.seed)
+        nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+        rank_opts, engine_opts = actor_options(cfg, any(n.get("GPU") for n in nodes))
+        check_resources(cfg, rank_opts, engine_opts, nodes)
+        engine_cls = ray.remote(plugins.get("engine", cfg.engine.name))
+        backend = plugins.get("trainer_backend", cfg.trainer.backend)
+        e = cfg.engine
+        extra = dict(e.args)
+        if e.tensor_parallel_size > 1:
+            extra["tensor_parallel_size"] = e.tensor_parallel_size
+        if e.speculative:      # vLLM's speculative_config, passed through as is
+            extra["engine_kwargs"] = {**extra.get("engine_kwargs", {}),
+                                      "speculative_config": dict(e.speculative)}
+        engines = [engine_cls.options(**engine_opts, name=f"molt-engine-{i}-{os.getpid()}").remote(
+                       cfg.model.path, dtype=cfg.model.dtype, max_batch_size=e.max_batch_size,
+                       seed=cfg.seed + 1000 * i, **extra)
+                   for i in range(e.num_engines)]
+        policy = backend(cfg.model.path, cfg.trainer, dtype=cfg.model.dtype, seed=cfg.seed,
+                         actor_options=rank_opts)
         ray.get([e.get_version.remote() for e in engines], timeout=cfg.engine.timeout_s)
-        log.info("cluster_ready", engines=len(engines), trainer_ranks=cfg.trainer.num_ranks)
+        log.info("cluster_ready", engines=len(engines), trainer_ranks=cfg.trainer.num_ranks,
+                 rank_resources=_need(rank_opts), engine_resources=_need(engine_opts))
         yield policy, engines
     finally:
         if policy is not None:

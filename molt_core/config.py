@@ -7,6 +7,7 @@ the fix. Plugin-specific options live under the plugin's own section (see `molt_
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ import yaml
 __all__ = [
     "AgentConfig", "AlgorithmConfig", "CheckConfig", "Config", "ConfigError", "EngineConfig",
     "ModelConfig", "RayConfig", "RolloutConfig", "SamplingConfig", "TrainerConfig",
-    "apply_overrides", "from_dict", "load_config", "to_dict",
+    "apply_overrides", "from_dict", "load_config", "model_facts", "to_dict",
 ]
 
 
@@ -50,12 +51,31 @@ class EngineConfig:
     max_batch_size: int = 256            # requests decoded together in one batch
     timeout_s: float = 300.0             # one generate call
     cpus_per_engine: float = 0.0         # 0: do not reserve Ray CPUs (small CPU runs)
+    tensor_parallel_size: int = 1        # GPUs one engine shards its model over (vllm)
+    gpus_per_engine: float = -1.0        # -1: tensor_parallel_size if the Ray cluster has GPUs
+    resources: dict = field(default_factory=dict)   # custom Ray resources per engine (placement)
+    # vLLM `speculative_config`, passed through as is (e.g. {method: mtp, num_speculative_tokens:
+    # 1} for a model with an MTP head); {} = off.
+    speculative: dict = field(default_factory=dict)
+    # More keyword arguments of the engine class (vllm: gpu_memory_utilization, max_model_len,
+    # enforce_eager, engine_kwargs for any other vLLM engine argument, ...).
+    args: dict = field(default_factory=dict)
 
 
 @dataclass
 class TrainerConfig:
-    backend: str = "fsdp2"
-    num_ranks: int = 1
+    backend: str = "fsdp2"               # fsdp2 | automodel (GPU)
+    num_ranks: int = 1                   # trainer processes (one GPU each on GPU)
+    # Parallelism: num_ranks = dp * tp * cp; dp 0 = num_ranks / (tp * cp). ep shards MoE experts
+    # over dp*cp*tp ranks. tp/cp/ep need backend automodel; fsdp2 shards parameters only (dp).
+    dp_size: int = 0
+    tp_size: int = 1
+    cp_size: int = 1
+    ep_size: int = 1
+    optimizer_offload: bool = False      # FSDP2 CPUOffloadPolicy: params, grads, AdamW on CPU
+    gpus_per_rank: float = -1.0          # -1: 1 if the Ray cluster has GPUs, else 0
+    cpus_per_rank: float = 0.0           # Ray CPUs reserved per rank (0: none, small CPU runs)
+    resources: dict = field(default_factory=dict)   # custom Ray resources per rank (placement)
     steps: int = 100
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -196,7 +216,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override '{item}': '{part}' is not a section")
-        node[parts[-1]] = yaml.safe_load(raw) if raw else ""
+        # YAML 1.1 reads on/off/yes/no as booleans: on the command line they stay words
+        # (trainer.moe_routing=off); booleans are written true/false.
+        words = raw.lower() in ("on", "off", "yes", "no", "y", "n")
+        node[parts[-1]] = raw if words else yaml.safe_load(raw) if raw else ""
     return data
 
 
@@ -264,6 +287,74 @@ def validate(cfg: Config) -> None:
     if not (Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(f"model.path '{cfg.model.path}' has no config.json: point it at a local "
                           "HF model directory (make a tiny one with `molt tiny-model DIR`)")
+    _validate_parallel(cfg)
+
+
+def model_facts(path: str) -> dict[str, int]:
+    """From a model's config.json: `num_experts` (0: dense) and `mtp_layers` (0: no MTP head)."""
+    with open(Path(path) / "config.json") as f:
+        c = json.load(f)
+    c = {**c, **(c.get("text_config") or {})}       # VL models: the language model's config
+    experts = next((c[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if c.get(k)), 0)
+    mtp = next((c[k] for k in ("num_nextn_predict_layers", "mtp_num_hidden_layers") if c.get(k)), 0)
+    return {"num_experts": int(experts), "mtp_layers": int(mtp)}
+
+
+def _validate_parallel(cfg: Config) -> None:
+    """Parallelism as configuration: sizes that cannot tile the ranks, or that the backend, the
+    model or the engine cannot run, are rejected here with the reason."""
+    t, e = cfg.trainer, cfg.engine
+    if min(t.tp_size, t.cp_size, t.ep_size, e.tensor_parallel_size) < 1 or t.dp_size < 0:
+        raise ConfigError("trainer.tp_size, cp_size, ep_size and engine.tensor_parallel_size must "
+                          "be >= 1, trainer.dp_size >= 0 (0: inferred)")
+    inner = t.tp_size * t.cp_size
+    dp = t.dp_size or t.num_ranks // inner
+    if dp * inner != t.num_ranks:
+        raise ConfigError(
+            f"trainer.num_ranks={t.num_ranks} is not dp_size*tp_size*cp_size = {t.dp_size or '?'}"
+            f"*{t.tp_size}*{t.cp_size}: each trainer rank is one (data, tensor, context) "
+            f"parallel position; set num_ranks to a multiple of tp*cp={inner} (dp_size 0 infers it)")
+    if t.backend == "fsdp2" and max(t.tp_size, t.cp_size, t.ep_size) > 1:
+        raise ConfigError(
+            f"trainer.backend=fsdp2 shards parameters over data-parallel ranks only; tp_size="
+            f"{t.tp_size}, cp_size={t.cp_size}, ep_size={t.ep_size} need trainer.backend=automodel "
+            "(GPU), or set them to 1")
+    if t.cp_size > 1:
+        raise ConfigError(
+            f"trainer.cp_size={t.cp_size}: context parallelism is not supported by Molt's log-prob "
+            "path yet (it needs sequence-sharded log-probs without padding masks, per-sequence "
+            "sums across CP ranks, and no packed batches); set cp_size=1 and use tp_size or more "
+            "data-parallel ranks for long sequences")
+    facts = model_facts(cfg.model.path)
+    if t.ep_size > 1:
+        n = facts["num_experts"]
+        if not n:
+            raise ConfigError(f"trainer.ep_size={t.ep_size} on a dense model ({cfg.model.path} has "
+                              "no experts in its config.json): set ep_size=1")
+        if n % t.ep_size or t.num_ranks % t.ep_size:
+            raise ConfigError(f"trainer.ep_size={t.ep_size} must divide the model's num_experts "
+                              f"({n}) and trainer.num_ranks ({t.num_ranks})")
+        if t.moe_routing != "off":
+            raise ConfigError(
+                f"trainer.ep_size={t.ep_size} runs AutoModel's own MoE layers, to which routing "
+                f"replay and router freezing are not wired: set trainer.moe_routing=off (got "
+                f"{t.moe_routing}), or ep_size=1 to keep the HF MoE layers and replay")
+    if e.name != "vllm" and (e.tensor_parallel_size > 1 or e.speculative):
+        raise ConfigError(f"engine.tensor_parallel_size and engine.speculative need engine.name="
+                          f"vllm (engine '{e.name}' runs one unsharded model, no draft)")
+    owned = sorted({"dtype", "max_batch_size", "seed", "tensor_parallel_size"} & set(e.args))
+    if owned or (e.speculative and "speculative_config" in e.args.get("engine_kwargs", {})):
+        raise ConfigError(f"engine.args sets {owned or ['engine_kwargs.speculative_config']}, "
+                          "which come from model.dtype, engine.max_batch_size, seed, "
+                          "engine.tensor_parallel_size and engine.speculative: set them there")
+    method = str(e.speculative.get("method", ""))
+    if "mtp" in method and not facts["mtp_layers"]:
+        raise ConfigError(f"engine.speculative method '{method}' needs a model with an MTP head; "
+                          f"{cfg.model.path} has none (no num_nextn_predict_layers or "
+                          "mtp_num_hidden_layers in config.json): drop engine.speculative or use "
+                          "method ngram")
+
 
 
 def _validate_correction(cfg: Config) -> None:

@@ -20,7 +20,8 @@ import ray
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (CPUOffloadPolicy, OffloadPolicy, fully_shard,
+                                    register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM
@@ -85,19 +86,13 @@ class PolicyWorker:
                                 init_method=f"tcp://{master_addr}:{master_port}",
                                 rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=trainer["timeout_s"]))
-        mesh = init_device_mesh(self.device.type, (world_size,))
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
-        model.to(self.device)
+        # FSDP2 averages grads over the data-parallel ranks; the loss is scaled back by it.
+        self.grad_scale = world_size
+        model = self._build_model(model_path, _DTYPES[dtype])
         self.moe = moe.is_moe(model)
         if self.moe and trainer["moe_routing"] == "freeze_router":
             for gate in moe.moe_gates(model):
                 gate.requires_grad_(False)
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        # A param without grad on one rank (unrouted expert, idle lm_head) must not shrink its
-        # reduce-scatter: unequal collectives hang.
-        model.set_reduce_scatter_unused_params(True)
         # The root owns embed/norm/lm_head: gathered only inside a registered forward method.
         model.molt_token_logprobs = functools.partial(token_logprobs, model)
         register_fsdp_forward_method(model, "molt_token_logprobs")
@@ -106,6 +101,21 @@ class PolicyWorker:
                                        lr=trainer["lr"],
                                        betas=tuple(trainer["betas"]),
                                        weight_decay=trainer["weight_decay"])
+
+    def _build_model(self, model_path: str, dtype: torch.dtype) -> torch.nn.Module:
+        """The HF model, each decoder layer and the root `fully_shard` over all ranks
+        (`trainer.optimizer_offload`: params, grads and AdamW state live on the CPU)."""
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
+        offload = (CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+                   if self.cfg["optimizer_offload"] else OffloadPolicy())
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, offload_policy=offload)
+        fully_shard(model, mesh=mesh, offload_policy=offload)
+        # A param without grad on one rank (unrouted expert, idle lm_head) must not shrink its
+        # reduce-scatter: unequal collectives hang.
+        model.set_reduce_scatter_unused_params(True)
+        return model
 
     def ready(self) -> int:
         return self.rank
@@ -157,8 +167,8 @@ class PolicyWorker:
                 per_token = per_token * weight
                 metrics = {**metrics, **is_metrics}
             loss = aggregate(per_token, mask, loss_agg, num_tokens, num_seqs)
-            # FSDP2 averages grads over ranks; x world_size makes the step's grad sum/global count.
-            (loss * self.world_size).backward()
+            # FSDP2 averages grads over ranks; x grad_scale makes the step's grad sum/global count.
+            (loss * self.grad_scale).backward()
             loss_total += float(loss.detach())
             with torch.no_grad():
                 n_tok = float(mask.sum())
@@ -286,14 +296,21 @@ def _pad_rows(batch: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]
 
 
 class Policy:
-    """Driver handle for `num_ranks` FSDP2 `PolicyWorker` actors."""
+    """Driver handle for `num_ranks` FSDP2 `PolicyWorker` actors.
+
+    `actor_options`: Ray options of each rank (GPUs, CPUs, custom resources; `cluster.start`
+    derives them from the config). Ranks of one tensor/context-parallel group get the same rows.
+    """
+
+    worker_cls: type = PolicyWorker
 
     def __init__(self, model_path: str, trainer_cfg: TrainerConfig, *, dtype: str = "float32",
-                 seed: int = 0, num_threads: int = 1) -> None:
+                 seed: int = 0, num_threads: int = 1, actor_options: dict | None = None) -> None:
         self.cfg = trainer_cfg
         n = trainer_cfg.num_ranks
-        actor = ray.remote(PolicyWorker).options(
-            num_cpus=0, num_gpus=1 if torch.cuda.is_available() else 0)
+        self.replicas = trainer_cfg.tp_size * trainer_cfg.cp_size   # ranks per data shard
+        actor = ray.remote(self.worker_cls).options(
+            **(actor_options or {"num_cpus": 0, "num_gpus": int(torch.cuda.is_available())}))
         port = _free_port()
         self.workers = [actor.remote(r, n, "127.0.0.1", port, model_path, dtype=dtype,
                                      trainer=asdict(trainer_cfg), seed=seed,
@@ -307,11 +324,12 @@ class Policy:
 
     def _split(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         # Equal rows per rank -> equal micro-batch counts -> FSDP collectives never hang.
-        n = len(self.workers)
+        n = len(self.workers) // self.replicas
         B = batch["input_ids"].shape[0]
         per = math.ceil(B / n)
         batch = _pad_rows(batch, per * n - B)
-        return [{k: v[r * per:(r + 1) * per] for k, v in batch.items()} for r in range(n)]
+        return [{k: v[d * per:(d + 1) * per] for k, v in batch.items()}
+                for d in range(n) for _ in range(self.replicas)]
 
     def _get(self, refs: list, what: str) -> list:
         try:
@@ -331,7 +349,8 @@ class Policy:
         outs = self._get([w.train_step.remote(part, loss_fn, loss_args or {}, loss_agg, num_tokens,
                                               num_seqs, temperature, correction,
                                               correction_args or {}, version)
-                          for w, part in zip(self.workers, self._split(batch))], "train_step")
+                          for w, part in zip(self.workers, self._split(batch))],
+                         "train_step")[::self.replicas]
         metrics = {"loss": sum(o["loss"] for o in outs), "grad_norm": outs[0]["grad_norm"]}
         for k in outs[0]["sums"]:
             count = sum(o["counts"][k] for o in outs)
@@ -348,7 +367,8 @@ class Policy:
         also the [B, T, layers, k] expert ids the trainer's forward used (None if dense)."""
         B = batch["input_ids"].shape[0]
         parts = self._get([w.logprobs.remote(p, temperature, with_routing)
-                           for w, p in zip(self.workers, self._split(batch))], "logprobs")
+                           for w, p in zip(self.workers, self._split(batch))],
+                          "logprobs")[::self.replicas]
         if not with_routing:
             return torch.cat(parts)[:B]
         lp = torch.cat([p[0] for p in parts])[:B]

@@ -12,9 +12,9 @@ from typing import Any
 from molt_core import hookimpl
 from molt_core.generator import RolloutContext
 from molt_core.trajectory import Trajectory
-from molt_gym.envs import Env, GuessNumber, NextLetter, Observation
+from molt_gym.envs import Env, GuessNumber, MathProblems, NextLetter, Observation
 
-__all__ = ["Env", "GymAgent", "GuessNumber", "NextLetter"]
+__all__ = ["Env", "GymAgent", "GuessNumber", "MathProblems", "NextLetter"]
 
 class TemplateMismatch(RuntimeError):
     """The rendered history no longer starts with the tokens already captured."""
@@ -84,4 +84,4 @@ def molt_agents() -> dict:
 
 @hookimpl
 def molt_envs() -> dict:
-    return {"next_letter": NextLetter, "guess_number": GuessNumber}
+    return {"next_letter": NextLetter, "guess_number": GuessNumber, "math": MathProblems}

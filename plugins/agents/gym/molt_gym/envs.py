@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import json
 import random
 import string
 
-__all__ = ["Env", "GuessNumber", "NextLetter", "Observation"]
+__all__ = ["Env", "GuessNumber", "MathProblems", "NextLetter", "Observation"]
 
 Observation = str | list[dict]   # a user message, or chat messages
 
@@ -70,3 +73,37 @@ class GuessNumber(Env):
         if guess == self.secret:
             return None, 1.0, True, {"solved": True}
         return ("higher" if guess < self.secret else "lower"), 0.0, False, {}
+
+
+@functools.lru_cache(maxsize=4)
+def _rows(path: str) -> tuple[dict, ...]:
+    with open(path) as f:
+        rows = tuple(json.loads(line) for line in f if line.strip())
+    bad = [i for i, r in enumerate(rows) if not {"prompt", "answer"} <= set(r)]
+    if not rows or bad:
+        raise ValueError(f"{path}: expected JSON lines with 'prompt' and 'answer' "
+                         f"({'empty file' if not rows else f'row {bad[0]} lacks them'})")
+    return rows
+
+
+class MathProblems(Env):
+    """Single-turn math: task i is row i (mod len) of a local JSONL file of {"prompt", "answer"}
+    rows (e.g. DAPO-Math-17k converted once, offline). Reward 1 if the reply's \\boxed{} answer
+    equals the reference (the `math` reward, math-verify; plugin molt-reward-math)."""
+
+    def __init__(self, data: str, instruction: str = "") -> None:
+        self.rows, self.instruction = _rows(data), instruction
+
+    async def reset(self, seed: int) -> Observation:
+        self.row = self.rows[seed % len(self.rows)]
+        return self.row["prompt"] + self.instruction
+
+    async def step(self, action: str) -> tuple[None, float, bool, dict]:
+        try:
+            from molt_reward_math import math_reward
+        except ImportError:
+            raise RuntimeError("env 'math' needs the math reward: pip install -e "
+                               "plugins/rewards/math") from None
+        # sympy parsing is CPU work: off the generator's event loop
+        reward, info = await asyncio.to_thread(math_reward, action, str(self.row["answer"]))
+        return None, reward, True, info
