@@ -85,7 +85,8 @@ class TrainerConfig:
     logprob_chunk: int = 1024            # trainable tokens per lm_head chunk
     timeout_s: float = 300.0             # collectives and trainer RPCs
     weight_sync_bucket_mb: float = 64.0
-    weight_sync_timeout_s: float = 120.0
+    weight_sync_timeout_s: float = 120.0   # every sync RPC and collective
+    weight_sync_transport: str = "ray"     # ray (object store) | broadcast (gloo/NCCL group)
     # MoE policies: replay (the trainer's forward uses the experts the engine routed each sampled
     # token to; R3) | off (the trainer recomputes routing) | freeze_router (recompute; router
     # weights get no updates). Ignored for dense models.
@@ -264,6 +265,9 @@ def validate(cfg: Config) -> None:
         (t.lr > 0, f"trainer.lr must be > 0 (got {t.lr})"),
         (t.moe_routing in ("replay", "off", "freeze_router"),
          f"trainer.moe_routing '{t.moe_routing}' unknown; valid: replay, off, freeze_router"),
+        (t.weight_sync_transport in ("ray", "broadcast"),
+         f"trainer.weight_sync_transport '{t.weight_sync_transport}' unknown; valid: ray, "
+         "broadcast"),
         (r.groups_per_step >= 1, "rollout.groups_per_step must be >= 1"),
         (r.group_size >= 1, "rollout.group_size must be >= 1"),
         (r.max_staleness >= 0, "rollout.max_staleness must be >= 0"),

@@ -234,45 +234,29 @@ class PolicyWorker:
         """Gathered parameters by HF name (a collective: call on every rank)."""
         return {n: t.cpu() for n, t in self._named_full_tensors()}
 
-    def push_weights(self, engines: list, version: int, bucket_bytes: int, timeout_s: float
-                     ) -> dict[str, Any]:
-        """Gather every parameter (all ranks); rank 0 sends dtype-preserving buckets to engines."""
-        t0 = time.perf_counter()
-        total, buckets, bucket, size = 0, 0, [], 0
-
-        def send(named: list[tuple[str, torch.Tensor]]) -> None:
-            ref = ray.put(named)
-            _wait([e.update_weights.remote(ref, version) for e in engines], engines, timeout_s,
-                  f"update_weights (bucket {buckets}, version {version})")
-
-        for name, t in self._named_full_tensors():
-            if self.rank != 0:
-                continue
-            nbytes = t.numel() * t.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                send(bucket)
-                buckets, bucket, size = buckets + 1, [], 0
-            bucket.append((name, t.cpu()))    # ray.put copies: no clone needed
-            size += nbytes
-            total += nbytes
+    def push_weights(self, engines: list, version: int, bucket_bytes: int, timeout_s: float,
+                     transport: str = "ray") -> dict[str, Any]:
+        """Gather every parameter (all ranks); rank 0 sends dtype-preserving buckets to engines
+        (`weight_sync.send`), over Ray or, with `transport="broadcast"`, a process group built
+        on the first push to these engines."""
+        named = self._named_full_tensors()
         if self.rank != 0:
+            for _ in named:             # each gather is a collective: take part, send nothing
+                pass
             return {}
-        if bucket:
-            send(bucket)
-            buckets += 1
-        _wait([e.finish_weight_update.remote(version) for e in engines], engines, timeout_s,
-              f"finish_weight_update (version {version})")
-        return {"bytes": total, "buckets": buckets, "seconds": time.perf_counter() - t0}
-
-
-def _wait(refs: list, engines: list, timeout_s: float, what: str) -> list:
-    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    if pending:
-        late = [f"engine {i} ({engines[i]})" for i, r in enumerate(refs) if r in pending]
-        raise TimeoutError(f"weight sync: {', '.join(late)} did not finish {what} within "
-                           f"{timeout_s}s (trainer.weight_sync_timeout_s); the trainer ranks are "
-                           "now out of step, restart the run")
-    return ray.get(refs)
+        try:
+            group = None
+            if transport == "broadcast":
+                key = [e._actor_id for e in engines]
+                if getattr(self, "_group_key", None) != key:
+                    self._group, self._group_key = weight_sync.connect(engines, timeout_s), key
+                group = self._group
+            return weight_sync.send(named, engines, version, bucket_bytes, timeout_s, group)
+        except Exception:
+            self._group_key = None      # a failed collective leaves the group unusable
+            for _ in named:             # finish the gathers: the other ranks stay in step
+                pass
+            raise
 
 
 def _free_port() -> int:
@@ -382,7 +366,7 @@ class Policy:
     def push_weights(self, engines: list, version: int) -> dict[str, Any]:
         return weight_sync.push(self.workers, engines, version,
                                 int(self.cfg.weight_sync_bucket_mb * 2**20),
-                                self.cfg.weight_sync_timeout_s)
+                                self.cfg.weight_sync_timeout_s, self.cfg.weight_sync_transport)
 
     def shutdown(self) -> None:
         for w in self.workers:

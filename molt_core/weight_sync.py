@@ -1,31 +1,49 @@
 """Actor -> engines weight sync: every trainer rank gathers, rank 0 sends versioned buckets.
 
 Each rank's `push_weights` gathers full tensors (a collective, so all ranks must take part); rank 0
-sends dtype-preserving buckets to every engine with a timeout per transfer and then asks each engine
-to check that every one of its parameters was assigned (`finish_weight_update`).
+cuts them into buckets of `trainer.weight_sync_bucket_mb` and sends each to every engine, then
+asks each engine to check that every one of its parameters was assigned (`finish_weight_update`).
+
+Transports (`trainer.weight_sync_transport`):
+- `ray`: each bucket travels as a Ray object (`update_weights(named_tensors, version)`).
+- `broadcast`: a standalone process group (`WeightGroup`: gloo on CPU, NCCL on GPU) of trainer
+  rank 0 (group rank 0, the source) and every engine worker, built directly from a TCPStore so the
+  trainer's default (FSDP) group is untouched. Per bucket the metadata (name, dtype, shape, byte
+  offset) goes by Ray (`receive_weights(metas, version)`) and the bytes as one packed buffer by
+  broadcast. Every collective has a timeout; a dead peer fails the push within it.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
+from datetime import timedelta
 from typing import Any
 
 import ray
+import torch
+import torch.distributed as dist
 
-__all__ = ["WeightSyncError", "push"]
+__all__ = ["Meta", "WeightGroup", "WeightSyncError", "connect", "pack", "push", "send", "unpack"]
+
+TRANSPORTS = ("ray", "broadcast")
+Meta = tuple[str, str, list[int], int]          # name, dtype ("float32"), shape, byte offset
+_ALIGN = 64
 
 
 class WeightSyncError(RuntimeError):
     """A trainer rank or an engine failed during a weight push."""
 
 
-def push(workers: list, engines: list, version: int, bucket_bytes: int, timeout_s: float
-         ) -> dict[str, Any]:
+def push(workers: list, engines: list, version: int, bucket_bytes: int, timeout_s: float,
+         transport: str = "ray") -> dict[str, Any]:
     """Push the trainer's weights to `engines` as `version`; returns rank 0's stats.
 
     Fails fast on the first rank error (engine timeouts surface there as `TimeoutError`); ranks
     stuck in a gather end at the trainer's process-group timeout.
     """
-    refs = [w.push_weights.remote(engines, version, bucket_bytes, timeout_s) for w in workers]
+    refs = [w.push_weights.remote(engines, version, bucket_bytes, timeout_s, transport)
+            for w in workers]
     pending = list(refs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
@@ -41,3 +59,181 @@ def push(workers: list, engines: list, version: int, bucket_bytes: int, timeout_
             raise WeightSyncError(f"weight push of version {version}: trainer rank "
                                   f"{refs.index(done[0])} died: {e}") from None
     return ray.get(refs[0])
+
+
+# --- sender side (trainer rank 0) --------------------------------------------------------------
+
+def send(named: Iterable[tuple[str, torch.Tensor]], engines: list, version: int,
+         bucket_bytes: int, timeout_s: float, group: WeightGroup | None = None
+         ) -> dict[str, Any]:
+    """Send `named` full tensors to `engines` in buckets (by Ray, or over `group`), then finish."""
+    t0 = time.perf_counter()
+    total, buckets, bucket, size = 0, 0, [], 0
+
+    def flush() -> None:
+        what = f"bucket {buckets}, version {version}"
+        if group is None:
+            ref = ray.put(bucket)               # ray.put copies: no clone needed
+            _wait([e.update_weights.remote(ref, version) for e in engines], engines, timeout_s,
+                  f"update_weights ({what})")
+            return
+        metas, flat = pack(bucket)
+        refs = [e.receive_weights.remote(metas, version) for e in engines]
+        try:
+            group.broadcast(flat, f"weight bucket ({what})")
+        except Exception as e:
+            raise WeightSyncError(f"weight sync: broadcast of {what} failed"
+                                  f"{_dead(refs, engines)}: {e}") from None
+        _wait(refs, engines, timeout_s, f"receive_weights ({what})")
+
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            flush()
+            buckets, bucket, size = buckets + 1, [], 0
+        bucket.append((name, t if group is not None else t.cpu()))
+        size += nbytes
+        total += nbytes
+    if bucket:
+        flush()
+        buckets += 1
+    _wait([e.finish_weight_update.remote(version) for e in engines], engines, timeout_s,
+          f"finish_weight_update (version {version})")
+    return {"bytes": total, "buckets": buckets, "seconds": time.perf_counter() - t0}
+
+
+def connect(engines: list, timeout_s: float) -> WeightGroup:
+    """Build the broadcast group: trainer rank 0 (this process) + every engine worker."""
+    info = _wait([e.weight_group_info.remote() for e in engines], engines, timeout_s,
+                 "weight_group_info")
+    ranks = [n for n, _ in info]
+    world = 1 + sum(ranks)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    me = ray.util.get_node_ip_address()
+    host = "127.0.0.1" if {ip for _, ip in info} <= {me} else me   # loopback unless remote peers
+    store = dist.TCPStore(host, 0, world, True, timeout=timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    refs = [e.join_weight_group.remote(host, store.port, 1 + sum(ranks[:i]), world, backend,
+                                       timeout_s) for i, e in enumerate(engines)]
+    try:
+        group = WeightGroup(host, store.port, 0, world, backend, timeout_s, store)
+    except Exception as e:
+        raise WeightSyncError(f"weight sync: the broadcast group of {world} ranks (trainer rank "
+                              f"0 + engine workers) did not form within {timeout_s}s"
+                              f"{_dead(refs, engines)}: {e}") from None
+    _wait(refs, engines, timeout_s, "join_weight_group")
+    return group
+
+
+def _wait(refs: list, engines: list, timeout_s: float, what: str) -> list:
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for i, r in enumerate(refs):
+        if r not in pending:
+            try:
+                ray.get(r)
+            except ray.exceptions.RayActorError:
+                raise WeightSyncError(f"weight sync: engine {i} ({engines[i]}) died during "
+                                      f"{what}") from None
+    if pending:
+        late = [f"engine {i} ({engines[i]})" for i, r in enumerate(refs) if r in pending]
+        raise TimeoutError(f"weight sync: {', '.join(late)} did not finish {what} within "
+                           f"{timeout_s}s (trainer.weight_sync_timeout_s); the trainer ranks are "
+                           "now out of step, restart the run")
+    return ray.get(refs)
+
+
+def _dead(refs: list, engines: list, wait_s: float = 5.0) -> str:
+    """" (engine i died)" if one of `refs`' engines is dead, else "" (after at most wait_s)."""
+    ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+    for i, r in enumerate(refs):
+        try:
+            ray.get(r, timeout=0)
+        except ray.exceptions.RayActorError:
+            return f" (engine {i} ({engines[i]}) died)"
+        except Exception:
+            pass
+    return ""
+
+
+# --- both sides ----------------------------------------------------------------------------------
+
+class WeightGroup:
+    """One member of the weight-sync group (rank 0 sends, the others receive), rendezvous at the
+    TCPStore on host:port (rank 0 passes the store it serves)."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str,
+                 timeout_s: float, store: Any = None) -> None:
+        self.rank, self.backend, self.timeout_s = rank, backend, timeout_s
+        timeout = timedelta(seconds=timeout_s)
+        if store is None:
+            store = dist.TCPStore(host, port, world_size, False, timeout=timeout)
+        store = dist.PrefixStore("molt-weight-sync", store)
+        if backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            own = host if host == "127.0.0.1" or rank == 0 else ray.util.get_node_ip_address()
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=own)]
+            self.pg = dist.ProcessGroupGloo(store, rank, world_size, opts)
+        elif backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        else:
+            raise ValueError(f"weight-sync backend '{backend}' unknown; valid: gloo, nccl")
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+                       else torch.device("cpu"))
+
+    def broadcast(self, flat: torch.Tensor, what: str = "weights") -> torch.Tensor:
+        """Rank 0's `flat` [bytes] into every rank's `flat`, or an error within the timeout."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.timeout = 0, timedelta(seconds=self.timeout_s)
+        work = self.pg.broadcast([flat], opts)
+        if self.backend == "gloo":
+            work.wait(timedelta(seconds=self.timeout_s))
+            return flat
+        deadline = time.monotonic() + self.timeout_s     # NCCL: wait() only syncs streams
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                self.pg.abort()
+                raise TimeoutError(f"weight-sync broadcast of {what} did not finish within "
+                                   f"{self.timeout_s}s (trainer.weight_sync_timeout_s)")
+            time.sleep(0.001)
+        work.wait()
+        return flat
+
+    def receive(self, metas: list[Meta]) -> list[tuple[str, torch.Tensor]]:
+        """Receive one bucket described by `metas`; tensors view one buffer."""
+        flat = torch.empty(_nbytes(metas), dtype=torch.uint8, device=self.device)
+        return unpack(self.broadcast(flat), metas)
+
+
+def pack(named: list[tuple[str, torch.Tensor]]) -> tuple[list[Meta], torch.Tensor]:
+    """One uint8 buffer holding every tensor at a 64-byte aligned offset, and its metadata."""
+    metas, off = [], 0
+    for name, t in named:
+        metas.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), off))
+        off += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    flat = torch.empty(max(off, _ALIGN), dtype=torch.uint8,
+                       device=named[0][1].device if named else "cpu")
+    for (_, _, _, o), (_, t) in zip(metas, named):
+        n = t.numel() * t.element_size()
+        flat[o:o + n].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+    return metas, flat
+
+
+def unpack(flat: torch.Tensor, metas: list[Meta]) -> list[tuple[str, torch.Tensor]]:
+    """Views of `flat` [bytes] as the tensors `metas` describe (no copy)."""
+    out = []
+    for name, dtype, shape, off in metas:
+        dt = getattr(torch, dtype)
+        n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dt).element_size()
+        out.append((name, flat[off:off + n].view(dt).view(shape)))
+    return out
+
+
+def _nbytes(metas: list[Meta]) -> int:
+    end = 0
+    for _, dtype, shape, off in metas:
+        n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        end = max(end, off + -(-n // _ALIGN) * _ALIGN)
+    return max(end, _ALIGN)

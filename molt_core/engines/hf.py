@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
 
-from molt_core import moe
+from molt_core import moe, weight_sync
 from molt_core.engines import SAMPLING_KEYS, check_sampling
 from molt_core.trajectory import Completion
 
@@ -147,6 +147,24 @@ class HFEngine:
             for name, tensor in named_tensors:
                 self._params[name].copy_(tensor)
                 self._updated.add(id(self._params[name]))
+
+    async def weight_group_info(self) -> tuple[int, str]:
+        """Broadcast transport: ranks this engine adds to the weight group, and its node IP."""
+        import ray
+        return 1, ray.util.get_node_ip_address()
+
+    async def join_weight_group(self, host: str, port: int, rank: int, world_size: int,
+                                backend: str, timeout_s: float) -> None:
+        self._group = await asyncio.to_thread(weight_sync.WeightGroup, host, port, rank,
+                                              world_size, backend, timeout_s)
+
+    async def receive_weights(self, metas: list[weight_sync.Meta], version: int) -> None:
+        """Broadcast transport: receive one bucket over the weight group (off the event loop,
+        so decoding goes on meanwhile), then load it as `update_weights` does."""
+        if getattr(self, "_group", None) is None:
+            raise RuntimeError("receive_weights before join_weight_group")
+        named = await asyncio.to_thread(self._group.receive, metas)
+        await self.update_weights(named, version)
 
     async def finish_weight_update(self, version: int) -> None:
         """Check every parameter was assigned since the update began, then serve `version`."""
