@@ -25,7 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plugins", help="list loaded plugins and the hooks they implement")
     tiny = sub.add_parser("tiny-model", help="build a tiny random-init model + tokenizer locally")
     tiny.add_argument("out_dir")
-    tiny.add_argument("--arch", default="qwen3", choices=["qwen3", "qwen3_moe"])
+    tiny.add_argument("--arch", default="qwen3", choices=["qwen3", "qwen3_moe", "qwen3_vl"],
+                      help="qwen3_vl: with a tiny vision tower and its image processor")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--chars", action="store_true",
                       help="character-level tokenizer (a ~50-token action space for toy recipes)")

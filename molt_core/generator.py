@@ -23,7 +23,7 @@ from typing import Any, Awaitable, Callable
 import structlog
 
 from molt_core.config import Config
-from molt_core.trajectory import Completion, InvariantError, Trajectory
+from molt_core.trajectory import Completion, ImageInput, InvariantError, Trajectory
 
 __all__ = ["EngineClient", "Generator", "RolloutContext", "filter_stale", "version_lag_metrics"]
 
@@ -40,16 +40,17 @@ class EngineClient:
         self.timeout_s = timeout_s
         self.window_s = window_s
         self.outstanding = [0] * len(engines)
-        self._pending: list[tuple[list[int], dict, asyncio.Future]] = []
+        self._pending: list[tuple[list[int], dict, list[ImageInput], asyncio.Future]] = []
         self.active = 0                          # generate calls sent and not yet answered
         self._gate: asyncio.Event | None = None  # cleared by `hold`: new requests wait
 
-    async def generate(self, prompt_ids: list[int], sampling: dict) -> Completion:
+    async def generate(self, prompt_ids: list[int], sampling: dict,
+                       images: list[ImageInput] | None = None) -> Completion:
         while self._gate is not None and not self._gate.is_set():
             await self._gate.wait()
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._pending.append((list(prompt_ids), sampling, fut))
+        self._pending.append((list(prompt_ids), sampling, list(images or []), fut))
         if len(self._pending) == 1:
             loop.call_later(self.window_s, self._flush)
         self.active += 1
@@ -85,13 +86,15 @@ class EngineClient:
     async def _send(self, i: int, chunk: list) -> None:
         self.outstanding[i] += len(chunk)
         try:
-            outs = await self.engines[i].generate_batch.remote([p for p, _, _ in chunk],
-                                                              [s for _, s, _ in chunk])
+            # Images only where some request has them: text-only engines keep their signature.
+            images = {"images": [im for _, _, im, _ in chunk]} if any(c[2] for c in chunk) else {}
+            outs = await self.engines[i].generate_batch.remote([p for p, _, _, _ in chunk],
+                                                              [s for _, s, _, _ in chunk], **images)
         except Exception as e:  # the engine died: every request of the chunk fails with it
             outs = [RuntimeError(f"engine {i} failed: {type(e).__name__}: {e}")] * len(chunk)
         finally:
             self.outstanding[i] -= len(chunk)
-        for (_, _, fut), out in zip(chunk, outs):
+        for (_, _, _, fut), out in zip(chunk, outs):
             if not fut.done():
                 fut.set_exception(out) if isinstance(out, Exception) else fut.set_result(out)
 
@@ -103,7 +106,8 @@ class RolloutContext:
     rollout_id: int
     task: int                                   # task index: env seed or dataset row
     sampling: dict                              # explicit sampling params for the engine
-    generate: Callable[..., Awaitable[Completion]]   # generate(prompt_ids, sampling=None)
+    generate: Callable[..., Awaitable[Completion]]   # generate(prompt_ids, sampling=None,
+                                                     #          images=None)
     tokenizer: Any
 
 
@@ -264,8 +268,9 @@ class Generator:
         traj.check(self._vocab)
         return traj
 
-    async def _generate(self, prompt_ids: list[int], sampling: dict | None = None) -> Completion:
-        return await self.client.generate(prompt_ids, sampling or self.sampling)
+    async def _generate(self, prompt_ids: list[int], sampling: dict | None = None,
+                        images: list[ImageInput] | None = None) -> Completion:
+        return await self.client.generate(prompt_ids, sampling or self.sampling, images)
 
     def close(self) -> None:
         if self._inflight:

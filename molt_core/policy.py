@@ -24,9 +24,8 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, OffloadPolicy, fully_shard
                                     register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoModelForCausalLM
 
-from molt_core import moe, weight_sync
+from molt_core import moe, multimodal, weight_sync
 from molt_core.algos import aggregate, is_correction
 from molt_core.config import TrainerConfig
 
@@ -39,7 +38,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    loss_mask: torch.Tensor, temperature: float, chunk: int,
                    routed_experts: torch.Tensor | None = None, moe_routing: str = "replay",
-                   routing_out: list | None = None) -> torch.Tensor:
+                   routing_out: list | None = None,
+                   images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """[b, T] log p(input_ids[:, t] | input_ids[:, <t]) / temperature at trainable t, 0 elsewhere.
 
     Only trainable positions go through `lm_head`, `chunk` tokens at a time; with grad enabled each
@@ -47,10 +47,16 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     MoE models: `routed_experts` [b, T, layers, k] (-1 = none) is the engine's routing, replayed
     when `moe_routing` is "replay" (see `molt_core.moe.routing`); `routing_out` receives the
     [b, T, layers, k] expert ids the forward used.
+    VL models: `images` is the rows' (pixel_values [b, P, D], image_grid_thw [b, I, 3]) from
+    `collate`, fed with the engine's mRoPE positions; vision tokens are masked as in the engine.
     """
+    extra = {}
+    if images is not None and images[1].any():
+        extra = multimodal.model_inputs(model, input_ids, attention_mask,
+                                        *multimodal.unpack_rows(*images))
     with moe.routing(model, routed_experts, moe_routing) as routing:
         hidden = model.model(input_ids=input_ids, attention_mask=attention_mask,
-                             use_cache=False).last_hidden_state                  # [b, T, H]
+                             use_cache=False, **extra).last_hidden_state         # [b, T, H]
     if routing_out is not None and routing.used:
         routing_out.append(routing.ids().view(*input_ids.shape, *routing.ids().shape[1:]))
     rows, cols = loss_mask[:, 1:].nonzero(as_tuple=True)    # hidden[:, t] predicts token t+1
@@ -60,8 +66,12 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
         # Stay in the graph so backward, and with it FSDP's reduce-scatters, runs on every rank.
         return out + 0.0 * model.lm_head(hidden[:1, 0]).float().sum()
 
+    banned = torch.tensor(multimodal.vision_token_ids(model.config), device=hidden.device,
+                          dtype=torch.long)
+
     def piece(h_c: torch.Tensor, t_c: torch.Tensor) -> torch.Tensor:
         logits = model.lm_head(h_c).float() / temperature                       # [c, V]
+        logits = logits.index_fill(-1, banned, -float("inf")) if banned.numel() else logits
         return logits.log_softmax(-1).gather(-1, t_c[:, None]).squeeze(-1)
 
     grad = torch.is_grad_enabled()
@@ -106,10 +116,10 @@ class PolicyWorker:
         """The HF model, each decoder layer and the root `fully_shard` over all ranks
         (`trainer.optimizer_offload`: params, grads and AdamW state live on the CPU)."""
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device)
+        model = multimodal.load_model(model_path, dtype).to(self.device)
         offload = (CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
                    if self.cfg["optimizer_offload"] else OffloadPolicy())
-        for layer in model.model.layers:
+        for layer in multimodal.decoder_layers(model):
             fully_shard(layer, mesh=mesh, offload_policy=offload)
         fully_shard(model, mesh=mesh, offload_policy=offload)
         # A param without grad on one rank (unrouted expert, idle lm_head) must not shrink its
@@ -126,7 +136,7 @@ class PolicyWorker:
         for s in range(0, batch["input_ids"].shape[0], n):
             mb = {k: v[s:s + n].to(self.device) for k, v in batch.items()}
             T = max(int(mb["attention_mask"].sum(-1).max()), 1)    # right padded: trim the tail
-            mbs.append({k: v[:, :T] for k, v in mb.items()})
+            mbs.append({k: v if k in _IMAGE_KEYS else v[:, :T] for k, v in mb.items()})
         return mbs
 
     def _logprobs(self, mb: dict[str, torch.Tensor], temperature: float,
@@ -135,7 +145,8 @@ class PolicyWorker:
                                               mb["loss_mask"], temperature,
                                               self.cfg["logprob_chunk"],
                                               mb.get("routed_experts"),
-                                              self.cfg["moe_routing"], routing_out)
+                                              self.cfg["moe_routing"], routing_out,
+                                              _images(mb))
 
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, loss_args: dict,
                    loss_agg: str, num_tokens: int, num_seqs: int, temperature: float,
@@ -257,6 +268,13 @@ class PolicyWorker:
             for _ in named:             # finish the gathers: the other ranks stay in step
                 pass
             raise
+
+
+_IMAGE_KEYS = ("pixel_values", "image_grid_thw")   # per row, not per token (collate)
+
+
+def _images(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    return (mb["pixel_values"], mb["image_grid_thw"]) if "image_grid_thw" in mb else None
 
 
 def _free_port() -> int:

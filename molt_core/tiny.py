@@ -1,31 +1,41 @@
 """Tiny local models for tests and CPU recipes, saved as ordinary HF checkpoint directories.
 
 Nothing is downloaded: the tokenizer is a byte-level BPE trained here with `tokenizers` on a small
-built-in corpus, the model is a randomly initialised Qwen3 (or Qwen3-MoE) built from its config.
+built-in corpus, the model is a randomly initialised Qwen3 (or Qwen3-MoE, or Qwen3-VL with a tiny
+vision tower and its image processor) built from its config.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast,
-                          Qwen3Config, Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig,
+                          PreTrainedTokenizerFast, Qwen3Config, Qwen3MoeConfig, Qwen3VLConfig)
 
-__all__ = ["ARCHS", "CHAT_TEMPLATE", "SPECIAL_TOKENS", "build_char_tokenizer", "build_tiny_model",
-           "build_tokenizer"]
+__all__ = ["ARCHS", "CHAT_TEMPLATE", "IMAGE_SIZE", "SPECIAL_TOKENS", "VISION_TOKENS",
+           "build_char_tokenizer", "build_tiny_model", "build_tokenizer"]
 
-ARCHS = ("qwen3", "qwen3_moe")
+ARCHS = ("qwen3", "qwen3_moe", "qwen3_vl")
 PAD, EOS = "<|endoftext|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, "<|im_start|>", EOS, "<tool_call>", "</tool_call>", "<think>", "</think>"]
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+IMAGE_SIZE = 32     # qwen3_vl: images are resized to 32x32 (up to 64x64): 4x4 patches of 8 px
 
-# Qwen2.5/Qwen3-style ChatML (no default system prompt, as in Qwen3; no thinking switch).
+# Qwen2.5/Qwen3-style ChatML (no default system prompt, as in Qwen3; no thinking switch). Content
+# may be a string or Qwen-VL style parts: text parts as their text, each image part (type "image"
+# or "image_url") as <|vision_start|><|image_pad|><|vision_end|>.
 CHAT_TEMPLATE = """\
+{%- macro render(content) %}{%- if content is string %}{{- content }}{%- else %}
+{%- for part in content %}{%- if part.type == 'image' or part.type == 'image_url' %}\
+{{- '<|vision_start|><|image_pad|><|vision_end|>' }}{%- elif part.type == 'text' %}{{- part.text }}\
+{%- endif %}{%- endfor %}{%- endif %}{%- endmacro %}
 {%- if tools %}
 {{- '<|im_start|>system\\n' }}
-{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+{%- if messages[0].role == 'system' %}{{- render(messages[0].content) + '\\n\\n' }}{%- endif %}
 {{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n\
 You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
 {%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}
@@ -33,13 +43,13 @@ You are provided with function signatures within <tools></tools> XML tags:\\n<to
 arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n\
 {"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
 {%- elif messages[0].role == 'system' %}
-{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{{- '<|im_start|>system\\n' + render(messages[0].content) + '<|im_end|>\\n' }}
 {%- endif %}
 {%- for message in messages %}
 {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
-{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{{- '<|im_start|>' + message.role + '\\n' + render(message.content) + '<|im_end|>\\n' }}
 {%- elif message.role == 'assistant' %}
-{{- '<|im_start|>assistant\\n' + (message.content or '') }}
+{{- '<|im_start|>assistant\\n' + render(message.content or '') }}
 {%- for tool_call in message.tool_calls or [] %}
 {%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
 {%- if not loop.first or message.content %}{{- '\\n' }}{%- endif %}
@@ -51,7 +61,7 @@ arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n\
 {{- '<|im_end|>\\n' }}
 {%- elif message.role == 'tool' %}
 {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+{{- '\\n<tool_response>\\n' + render(message.content) + '\\n</tool_response>' }}
 {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
 {%- endif %}
 {%- endfor %}
@@ -80,32 +90,35 @@ def _corpus(extra: Sequence[str]) -> list[str]:
     return lines + list(extra)
 
 
-def build_tokenizer(vocab_size: int = 512, extra_corpus: Sequence[str] = ()) -> PreTrainedTokenizerFast:
-    """Byte-level BPE: every byte is in the base vocab, digits are split one per token (as Qwen)."""
+def build_tokenizer(vocab_size: int = 512, extra_corpus: Sequence[str] = (),
+                    special: Sequence[str] = tuple(SPECIAL_TOKENS)) -> PreTrainedTokenizerFast:
+    """Byte-level BPE: every byte is in the base vocab, digits are split one per token (as Qwen).
+    `special`: the special tokens, pad first (VL models add VISION_TOKENS)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(_corpus(extra_corpus), trainer=trainer)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD,
-                                 additional_special_tokens=SPECIAL_TOKENS[1:], model_max_length=512)
+                                 additional_special_tokens=list(special[1:]), model_max_length=512)
     hf.chat_template = CHAT_TEMPLATE
     return hf
 
 
-def build_char_tokenizer(charset: str) -> PreTrainedTokenizerFast:
+def build_char_tokenizer(charset: str, special: Sequence[str] = tuple(SPECIAL_TOKENS)
+                         ) -> PreTrainedTokenizerFast:
     """One token per character of `charset` (plus the special tokens and <unk>): a tiny action
     space for toy recipes that a random-init policy must explore from scratch."""
     chars = list(dict.fromkeys(charset + "\n"))
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + ["<unk>"] + chars)}
+    vocab = {t: i for i, t in enumerate([*special, "<unk>", *chars])}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.decoder = decoders.Fuse()
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD,
-                                 unk_token="<unk>", additional_special_tokens=SPECIAL_TOKENS[1:],
+                                 unk_token="<unk>", additional_special_tokens=list(special[1:]),
                                  model_max_length=512)
     hf.chat_template = CHAT_TEMPLATE
     return hf
@@ -117,11 +130,13 @@ def build_tiny_model(out_dir: str | Path, arch: str = "qwen3", *, hidden_size: i
     """Write a random-init fp32 model + tokenizer + generation_config to `out_dir`; return it.
 
     `charset` switches to a character-level tokenizer over those characters (vocab_size is then
-    the tokenizer's size)."""
+    the tokenizer's size). `qwen3_vl` also writes the image processor (preprocessor_config.json)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown tiny-model arch '{arch}'; valid: {', '.join(ARCHS)}")
     out = Path(out_dir)
-    tok = build_char_tokenizer(charset) if charset else build_tokenizer(vocab_size, extra_corpus)
+    special = SPECIAL_TOKENS + (VISION_TOKENS if arch == "qwen3_vl" else [])
+    tok = (build_char_tokenizer(charset, special) if charset
+           else build_tokenizer(vocab_size, extra_corpus, special))
     vocab_size = len(tok) if charset else vocab_size
     if len(tok) > vocab_size:
         raise ValueError(f"tokenizer has {len(tok)} tokens, more than vocab_size={vocab_size}")
@@ -133,13 +148,43 @@ def build_tiny_model(out_dir: str | Path, arch: str = "qwen3", *, hidden_size: i
                   bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id, dtype="float32")
     if arch == "qwen3":
         config = Qwen3Config(**common)
-    else:
+    elif arch == "qwen3_moe":
         config = Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
                                 moe_intermediate_size=32, norm_topk_prob=True)
+    else:
+        config = _vl_config(common, tok)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = AutoModelForImageTextToText if arch == "qwen3_vl" else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(bos_token_id=pad_id, eos_token_id=[eos_id, pad_id],
                                                pad_token_id=pad_id)
     model.save_pretrained(out)
     tok.save_pretrained(out)
+    if arch == "qwen3_vl":
+        _image_processor().save_pretrained(out)
     return out
+
+
+def _vl_config(text: dict, tok: PreTrainedTokenizerFast) -> Qwen3VLConfig:
+    """Qwen3-VL: the text model as above with mRoPE (sections sum to head_dim / 2, interleaved as
+    in Qwen3-VL checkpoints); a 2-block vision tower (patch 8, 2x2 merge: a 32x32 image is 4x4
+    patches, 4 placeholder tokens) with one deepstack layer."""
+    vision_start, vision_end, image, video = tok.convert_tokens_to_ids(VISION_TOKENS)
+    text = {**text, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                        "mrope_section": [6, 5, 5], "mrope_interleaved": True}}
+    text.pop("tie_word_embeddings")
+    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=8,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=text["hidden_size"],
+                  num_position_embeddings=(IMAGE_SIZE // 8) ** 2, deepstack_visual_indexes=[0])
+    return Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=image,
+                         video_token_id=video, vision_start_token_id=vision_start,
+                         vision_end_token_id=vision_end, tie_word_embeddings=True)
+
+
+def _image_processor() -> Any:
+    """Qwen2-VL image processor (the one Qwen3-VL uses), PIL backend: no torchvision needed."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import \
+        Qwen2VLImageProcessorPil
+    return Qwen2VLImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE ** 2, "longest_edge": (2 * IMAGE_SIZE) ** 2},
+        patch_size=8, temporal_patch_size=2, merge_size=2)

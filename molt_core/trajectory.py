@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Completion", "InvariantError", "Trajectory", "collate"]
+__all__ = ["Completion", "ImageInput", "InvariantError", "Trajectory", "collate"]
 
 
 class InvariantError(RuntimeError):
@@ -44,6 +44,19 @@ class Completion:
 
 
 @dataclass
+class ImageInput:
+    """One image of a multimodal prompt (`molt_core.multimodal`): the image processor's patches
+    and the run of placeholder tokens it fills in the token sequence (never trainable)."""
+    pixel_values: torch.Tensor            # [patches, C * temporal_patch * patch * patch]
+    grid_thw: list[int]                   # [t, h, w] in patches
+    start: int                            # index of its first placeholder token
+    num_tokens: int                       # placeholder tokens: t * h * w / merge_size**2
+
+    def shifted(self, by: int) -> ImageInput:
+        return ImageInput(self.pixel_values, self.grid_thw, self.start + by, self.num_tokens)
+
+
+@dataclass
 class Trajectory:
     """One rollout, token by token. Segments split it when a chat template re-renders history."""
     group_id: int = 0
@@ -60,13 +73,16 @@ class Trajectory:
     # MoE routing replay: per token [n_moe_layers][top_k] expert ids, -1 rows where the engine
     # recorded none (prompt/env tokens); None until a completion carrying routing is added.
     routed_experts: list[list[list[int]]] | None = None
+    images: list[ImageInput] = field(default_factory=list)   # in order of their placeholders
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
-    def add_prompt(self, token_ids: list[int]) -> None:
-        """Append context tokens (prompt, tool result, env feedback): never trainable."""
+    def add_prompt(self, token_ids: list[int], images: list[ImageInput] = ()) -> None:
+        """Append context tokens (prompt, tool result, env feedback): never trainable. `images`:
+        those whose placeholders are in `token_ids` (`start` relative to `token_ids`)."""
         n = len(token_ids)
+        self.images += [im.shifted(len(self.token_ids)) for im in images]
         self.token_ids += list(token_ids)
         self.loss_mask += [False] * n
         self.logprobs += [0.0] * n
@@ -105,7 +121,8 @@ class Trajectory:
                                   self.loss_mask[a:b], self.logprobs[a:b], self.versions[a:b],
                                   [0], self.reward, self.turn_rewards, self.truncated, self.info,
                                   None if self.routed_experts is None
-                                  else self.routed_experts[a:b]))
+                                  else self.routed_experts[a:b],
+                                  [im.shifted(-a) for im in self.images if a <= im.start < b]))
         return out
 
     def check(self, vocab_size: int | None = None) -> None:
@@ -125,6 +142,16 @@ class Trajectory:
                     f"trajectory {self.group_id}/{self.rollout_id}: trainable token at position {i} "
                     f"has no sampling record (version {v}, log-prob {lp}); trainable tokens must "
                     "come from engine completions (Trajectory.add_completion)")
+        end = 0
+        for im in self.images:
+            span = range(im.start, im.start + im.num_tokens)
+            if im.start < end or span.stop > n or any(self.loss_mask[i] for i in span) or \
+                    any(s in span[1:] for s in self.segments):
+                raise InvariantError(
+                    f"trajectory {self.group_id}/{self.rollout_id}: image placeholder tokens "
+                    f"[{span.start}, {span.stop}) overlap another image, run past the {n} tokens, "
+                    "are trainable or cross a segment; images enter only through add_prompt")
+            end = span.stop
         if n and self.loss_mask[0]:
             raise InvariantError("the first token of a trajectory cannot be trainable: it has no "
                                  "context to be sampled from")
@@ -165,7 +192,24 @@ def collate(trajs: list[Trajectory], advantages: list[list[float]], pad_id: int 
             if t.routed_experts:
                 out["routed_experts"][i, :len(t)] = torch.tensor(t.routed_experts,
                                                                  dtype=torch.int32)
+    images = [t.images for t in trajs]
+    if any(images):
+        out |= _pack_images(images)
     return out
+
+
+def _pack_images(rows: list[list[ImageInput]]) -> dict[str, torch.Tensor]:
+    """Per-row images as row-sliceable tensors (`multimodal.unpack_rows` inverts it):
+    pixel_values [B, P, D] (zero padded) and image_grid_thw [B, I, 3] (zero rows: no image)."""
+    P = max(sum(len(im.pixel_values) for im in r) for r in rows)
+    D = next(im.pixel_values.shape[-1] for r in rows for im in r)
+    pv = torch.zeros(len(rows), P, D, dtype=torch.float32)
+    grid = torch.zeros(len(rows), max(map(len, rows)), 3, dtype=torch.long)
+    for b, r in enumerate(rows):
+        if r:
+            pv[b, :sum(len(im.pixel_values) for im in r)] = torch.cat([im.pixel_values for im in r])
+            grid[b, :len(r)] = torch.tensor([im.grid_thw for im in r])
+    return {"pixel_values": pv, "image_grid_thw": grid}
 
 
 def _sentinel(row: list[list[int]]) -> list[list[int]]:

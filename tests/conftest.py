@@ -53,3 +53,11 @@ def tiny_chars_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from molt_core.cli import CHARSET
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "chars", "qwen3", charset=CHARSET)
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Qwen3-VL (random vision tower, image processor) with the character-level tokenizer."""
+    from molt_core.cli import CHARSET
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", "qwen3_vl", charset=CHARSET)

@@ -36,3 +36,11 @@ def test_multi_turn_guess_number_learns(ray_local, tiny_chars_dir, tmp_path):
     start, end = run_recipe("recipes/cpu/guess_number.yaml", tiny_chars_dir, tmp_path, 80)
     assert start <= 0.15
     assert end >= 0.3
+
+
+@pytest.mark.slow
+def test_vl_colour_learns(ray_local, tiny_vl_dir, tmp_path):
+    """Tiny Qwen3-VL names the colour of an image (forward consistency checked every 5 steps)."""
+    start, end = run_recipe("recipes/cpu/vl_colour.yaml", tiny_vl_dir, tmp_path, 60)
+    assert start <= 0.15
+    assert end >= 0.6

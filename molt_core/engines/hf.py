@@ -11,6 +11,10 @@ between steps. Forward passes run on the event-loop thread, so `pause`/`update_w
 land between two steps. After a weight update the wave's KV cache is recomputed (re-prefill of
 prompt + tokens so far) so each token's log-prob is exactly that of the weights that sampled it.
 
+VL models (`molt_core.multimodal`): a request may carry images; the prefill feeds their patches
+with explicit mRoPE position ids, decode steps continue from the last position. Vision special
+tokens are masked from sampling (the trainer masks them identically).
+
 MoE models (routing replay, R3): every forward runs the routers in fp32 (`molt_core.moe`) and each
 completion carries `routed_experts`, the top-k experts every generated token was routed to when it
 was fed to the model (the last token is never fed: sentinel -1 row; a re-prefill after a weight
@@ -25,11 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
+from transformers import AutoConfig, DynamicCache, GenerationConfig
 
-from molt_core import moe, weight_sync
+from molt_core import moe, multimodal, weight_sync
 from molt_core.engines import SAMPLING_KEYS, check_sampling
-from molt_core.trajectory import Completion
+from molt_core.trajectory import Completion, ImageInput
 
 __all__ = ["HFEngine", "SAMPLING_KEYS"]
 
@@ -41,6 +45,7 @@ class _Request:
     sampling: dict[str, Any]
     stop_ids: frozenset[int]
     future: asyncio.Future
+    images: list[ImageInput] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -58,10 +63,12 @@ class HFEngine:
                  seed: int = 0, num_threads: int = 1, device: str = "cpu") -> None:
         torch.set_num_threads(num_threads)
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
+        self.model = multimodal.load_model(model_path, getattr(torch, dtype)).to(self.device).eval()
         self.model.requires_grad_(False)
         config = AutoConfig.from_pretrained(model_path)
+        self._vl = multimodal.is_vl(config)
+        self._banned = multimodal.vision_token_ids(config)    # never sampled
+        config = config.get_text_config()
         self.max_positions: int = config.max_position_embeddings
         self.pad_id: int = config.pad_token_id if config.pad_token_id is not None else 0
         self.default_stop_ids = frozenset(_eos_ids(model_path, config))
@@ -86,9 +93,13 @@ class HFEngine:
         self._stats = {"requests": 0, "tokens_generated": 0, "decode_steps": 0, "batches": 0,
                        "prefills": 0, "prefill_tokens": 0, "weight_updates": 0}
 
-    async def generate(self, prompt_ids: list[int], sampling: dict) -> Completion:
-        """Sample a completion; `sampling` gives every key of SAMPLING_KEYS (+ stop_token_ids)."""
+    async def generate(self, prompt_ids: list[int], sampling: dict,
+                       images: list[ImageInput] | None = None) -> Completion:
+        """Sample a completion; `sampling` gives every key of SAMPLING_KEYS (+ stop_token_ids);
+        `images`: those whose placeholder tokens are in the prompt (VL models)."""
         sampling, stop = check_sampling(sampling)
+        if images and not self._vl:
+            raise ValueError("this engine's model takes no images (not a VL checkpoint)")
         if not prompt_ids or len(prompt_ids) >= self.max_positions:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; it needs 1 to "
                              f"{self.max_positions - 1} (max_position_embeddings "
@@ -96,16 +107,19 @@ class HFEngine:
         self._bind_loop()
         req = _Request([int(t) for t in prompt_ids], sampling,
                        frozenset(stop) if stop is not None else self.default_stop_ids,
-                       asyncio.get_running_loop().create_future())
+                       asyncio.get_running_loop().create_future(), list(images or []))
         self._pending.append(req)
         self._wakeup.set()
         return await req.future
 
-    async def generate_batch(self, prompts: list[list[int]], samplings: list[dict]
+    async def generate_batch(self, prompts: list[list[int]], samplings: list[dict],
+                             images: list[list[ImageInput]] | None = None
                              ) -> list[Completion | Exception]:
         """Many requests in one call (one RPC instead of one per request); a failed request
         returns its exception in place."""
-        return await asyncio.gather(*(self.generate(p, s) for p, s in zip(prompts, samplings)),
+        images = images or [None] * len(prompts)
+        return await asyncio.gather(*(self.generate(p, s, i)
+                                      for p, s, i in zip(prompts, samplings, images)),
                                     return_exceptions=True)
 
     async def pause(self) -> None:
@@ -296,17 +310,24 @@ class HFEngine:
             mask[i, L - len(x):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        extra = {}
+        if any(r.images for r in rows):    # VL: patches + mRoPE positions [4, B, L]
+            images = [im for r in rows for im in r.images]
+            extra = multimodal.model_inputs(
+                self.model, ids, mask, torch.cat([im.pixel_values for im in images]).to(self.device),
+                torch.tensor([im.grid_thw for im in images], device=self.device))
+            position_ids = extra.pop("position_ids")
         cache = DynamicCache(config=self.model.config)
         with moe.routing(self.model, mode="off") as routing:
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+                             past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
         routed = (routing.ids().view(*ids.shape, *routing.ids().shape[1:])
                   if self._moe_sentinel is not None else None)
         seen = torch.zeros(len(seqs), out.logits.shape[-1], dtype=torch.bool, device=self.device)
         seen.scatter_(1, ids, mask.bool())  # [B, V]: tokens present (for repetition penalty)
         self._stats["prefills"] += 1
         self._stats["prefill_tokens"] += sum(len(x) for x in seqs)
-        return out.logits[:, -1], out.past_key_values, mask, position_ids[:, -1:], seen, routed
+        return out.logits[:, -1], out.past_key_values, mask, position_ids[..., -1:], seen, routed
 
     @torch.no_grad()
     def _step(self, next_ids: torch.Tensor, cache: DynamicCache, mask: torch.Tensor,
@@ -321,6 +342,8 @@ class HFEngine:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [B, V] -> (tokens [B], behavior log-probs [B]) after penalty and temperature."""
         logits = logits.float()
+        if self._banned:
+            logits[:, self._banned] = -float("inf")
         if s["repetition_penalty"] != 1.0:
             p = s["repetition_penalty"]
             logits = torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)

@@ -2,19 +2,21 @@
 
 The runner renders the conversation with the model's chat template, generates in token space,
 appends the sampled tokens unchanged (trainable) and tokenizes only the text the template adds
-after them (the environment's reply; masked). Sampled text is never re-tokenized.
+after them (the environment's reply; masked). Sampled text is never re-tokenized. Observations
+may hold images (content parts {"type": "image", "image": PIL image or HxWx3 uint8 array}, VL
+policies): each becomes its run of placeholder tokens and rides with the trajectory.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from molt_core import hookimpl
+from molt_core import hookimpl, multimodal
 from molt_core.generator import RolloutContext
-from molt_core.trajectory import Trajectory
-from molt_gym.envs import Env, GuessNumber, MathProblems, NextLetter, Observation
+from molt_core.trajectory import ImageInput, Trajectory
+from molt_gym.envs import Colours, Env, GuessNumber, MathProblems, NextLetter, Observation
 
-__all__ = ["Env", "GymAgent", "GuessNumber", "MathProblems", "NextLetter"]
+__all__ = ["Colours", "Env", "GymAgent", "GuessNumber", "MathProblems", "NextLetter"]
 
 class TemplateMismatch(RuntimeError):
     """The rendered history no longer starts with the tokens already captured."""
@@ -36,12 +38,23 @@ class GymAgent:
         self.system = [{"role": "system", "content": system_prompt}] if system_prompt else []
         self.chat_template = chat_template
         self.tok = tokenizer
+        self.model_path = cfg.model.path if cfg is not None else ""
+        self._images: multimodal.ImageEncoder | None = None
+
+    def encode(self, text: str, messages: list[dict]) -> tuple[list[int], list[ImageInput]]:
+        """Token ids of `text`, the rendering of `messages`, and the images those hold."""
+        images = multimodal.images_of(messages)
+        if not images:
+            return self.tok(text, add_special_tokens=False).input_ids, []
+        if self._images is None:
+            self._images = multimodal.ImageEncoder(self.model_path, self.tok)
+        return self._images.encode(text, images)
 
     def render(self, messages: list[dict]) -> str:
         """The whole conversation as text, ending where the policy speaks next. Without a chat
         template (base-model style) it is the plain concatenation of the turns."""
         if not self.chat_template:
-            return "".join(m["content"] for m in messages)
+            return "".join(multimodal.content_text(m["content"]) for m in messages)
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     async def rollout(self, ctx: RolloutContext) -> Trajectory:
@@ -49,10 +62,10 @@ class GymAgent:
         messages = self.system + _messages(await env.reset(ctx.task))
         covered = self.render(messages)           # text the trajectory's tokens spell so far
         traj = Trajectory()
-        traj.add_prompt(self.tok(covered, add_special_tokens=False).input_ids)
+        traj.add_prompt(*self.encode(covered, messages))
         rewards: list[float] = []
         for turn in range(self.max_turns):
-            completion = await ctx.generate(traj.token_ids, ctx.sampling)
+            completion = await ctx.generate(traj.token_ids, ctx.sampling, traj.images or None)
             traj.add_completion(completion)
             sampled = self.tok.decode(completion.token_ids)
             covered += sampled
@@ -65,13 +78,14 @@ class GymAgent:
             # The history keeps the reply as sampled (special tokens included, minus the closing
             # eos the template adds itself) so that re-rendering reproduces `covered` exactly.
             reply = sampled.removesuffix(self.tok.eos_token) if self.chat_template else sampled
-            messages += [{"role": "assistant", "content": reply}, *_messages(obs)]
+            new = _messages(obs)
+            messages += [{"role": "assistant", "content": reply}, *new]
             rendered = self.render(messages)
             if not rendered.startswith(covered):
                 raise TemplateMismatch("the chat template re-renders earlier turns differently, "
                                        "so the env reply cannot be appended token-exactly; use a "
                                        "prefix-stable template or the chat agent (segments)")
-            traj.add_prompt(self.tok(rendered[len(covered):], add_special_tokens=False).input_ids)
+            traj.add_prompt(*self.encode(rendered[len(covered):], new))
             covered = rendered
         traj.reward, traj.turn_rewards = sum(rewards), rewards
         return traj
@@ -84,4 +98,5 @@ def molt_agents() -> dict:
 
 @hookimpl
 def molt_envs() -> dict:
-    return {"next_letter": NextLetter, "guess_number": GuessNumber, "math": MathProblems}
+    return {"next_letter": NextLetter, "guess_number": GuessNumber, "math": MathProblems,
+            "colours": Colours}

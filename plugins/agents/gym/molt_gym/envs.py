@@ -8,7 +8,9 @@ import json
 import random
 import string
 
-__all__ = ["Env", "GuessNumber", "MathProblems", "NextLetter", "Observation"]
+import numpy as np
+
+__all__ = ["Colours", "Env", "GuessNumber", "MathProblems", "NextLetter", "Observation"]
 
 Observation = str | list[dict]   # a user message, or chat messages
 
@@ -107,3 +109,45 @@ class MathProblems(Env):
         # sympy parsing is CPU work: off the generator's event loop
         reward, info = await asyncio.to_thread(math_reward, action, str(self.row["answer"]))
         return None, reward, True, info
+
+
+class Colours(Env):
+    """Name the colour of a generated image (VL policies): reply with its letter, r g b or y.
+
+    Each turn shows a new noisy solid-colour image; `turns` > 1 sends the next image as the env's
+    reply. Per turn: 1 for the right letter, 0.1 for another colour's letter (format credit),
+    else 0; divided by `turns`. Chance for a policy that only names colours: 0.325.
+    """
+
+    RGB = {"r": (210, 40, 40), "g": (40, 190, 40), "b": (40, 40, 210), "y": (220, 210, 40),
+           "w": (235, 235, 235), "k": (20, 20, 20)}
+
+    def __init__(self, colours: str = "rgby", turns: int = 1, size: int = 32, noise: int = 30,
+                 prompt: str = "") -> None:
+        unknown = set(colours) - set(self.RGB)
+        if unknown or not colours:
+            raise ValueError(f"colours '{colours}': use letters of {''.join(self.RGB)}")
+        self.colours, self.turns, self.size, self.noise, self.prompt = (colours, turns, size,
+                                                                        noise, prompt)
+
+    async def reset(self, seed: int) -> Observation:
+        self.rng, self.turn, self.answers = np.random.default_rng(seed), 0, []
+        return self._observe()
+
+    def _observe(self) -> Observation:
+        self.colour = self.colours[self.rng.integers(len(self.colours))]
+        noise = self.rng.integers(-self.noise, self.noise + 1, (self.size, self.size, 3))
+        image = np.clip(np.array(self.RGB[self.colour]) + noise, 0, 255).astype(np.uint8)
+        parts = [{"type": "image", "image": image}]
+        return [{"role": "user", "content": parts + ([{"type": "text", "text": self.prompt}]
+                                                     if self.prompt else [])}]
+
+    async def step(self, action: str) -> tuple[Observation | None, float, bool, dict]:
+        first = action.strip()[:1]
+        reward = 1.0 if first == self.colour else 0.1 if first and first in self.colours else 0.0
+        self.answers.append(first == self.colour)
+        self.turn += 1
+        info = {"correct": sum(self.answers) / len(self.answers)}
+        if self.turn >= self.turns:
+            return None, reward / self.turns, True, info
+        return self._observe(), reward / self.turns, False, info

@@ -1,0 +1,164 @@
+"""Multimodal (Qwen3-VL) policies: images ride with the trajectory as image-processor patches.
+
+A prompt holds each image as a run of placeholder tokens (`<|image_pad|>` x n); the image travels
+beside the tokens as an `ImageInput` (patches, grid, where its run starts). Engine and trainer feed
+the same patches and compute the same mRoPE position ids (`model_inputs`, from the model's own
+`get_rope_index`), always passed explicitly: HF's cached `rope_deltas` are never used, so a KV-cache
+decode step is simply the last position + 1. Vision special tokens are never sampled: engine and
+trainer both mask their logits (`vision_token_ids`), so the two compute the same distribution and
+placeholders only ever come from prompts.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+from molt_core.trajectory import ImageInput
+
+__all__ = ["ImageEncoder", "content_text", "decode_data_uri", "decoder_layers", "images_of",
+           "is_vl", "load_model", "model_inputs", "unpack_rows", "vision_token_ids"]
+
+VISION_PART = "<|vision_start|><|image_pad|><|vision_end|>"   # one image in rendered text
+
+
+def is_vl(config: Any) -> bool:
+    return getattr(config, "vision_config", None) is not None
+
+
+def load_model(path: str | Path, dtype: torch.dtype) -> torch.nn.Module:
+    """The checkpoint's causal LM, or its image-text-to-text model for VL checkpoints."""
+    auto = AutoModelForImageTextToText if is_vl(AutoConfig.from_pretrained(path)) \
+        else AutoModelForCausalLM
+    return auto.from_pretrained(path, dtype=dtype)
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The transformer blocks of the language model (VL models keep them one level deeper)."""
+    return getattr(model.model, "language_model", model.model).layers
+
+
+def vision_token_ids(config: Any) -> list[int]:
+    """Token ids the policy must never sample (image/video placeholders, vision start/end)."""
+    if not is_vl(config):
+        return []
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return sorted({getattr(config, n) for n in names if getattr(config, n, None) is not None})
+
+
+def decode_data_uri(url: str) -> Any:
+    """`data:image/png;base64,...` -> an RGB PIL image. Nothing else is accepted: the server
+    never fetches a URL."""
+    from PIL import Image, UnidentifiedImageError
+
+    head, sep, data = url.partition(",")
+    if not (url.startswith("data:image/") and sep and head.endswith(";base64")):
+        raise ValueError(f"image_url must be a base64 data URI (data:image/png;base64,...), got "
+                         f"'{url[:40]}...': fetching remote images is not supported")
+    try:
+        return Image.open(io.BytesIO(base64.b64decode(data, validate=True))).convert("RGB")
+    except (binascii.Error, UnidentifiedImageError, OSError) as e:
+        raise ValueError(f"image_url data URI is not a decodable image: {e}") from None
+
+
+def images_of(messages: Sequence[dict]) -> list[Any]:
+    """The images of chat messages, in order: parts {"type": "image", "image": PIL or HxWx3
+    uint8 array} or OpenAI {"type": "image_url", "image_url": {"url": data URI}}."""
+    out = []
+    for m in messages:
+        for part in m.get("content") if isinstance(m.get("content"), list) else ():
+            if part.get("type") == "image":
+                out.append(part["image"])
+            elif part.get("type") == "image_url":
+                url = part["image_url"]
+                out.append(decode_data_uri(url["url"] if isinstance(url, dict) else url))
+    return out
+
+
+def content_text(content: str | list[dict] | None) -> str:
+    """Message content as text without a chat template (image parts as VISION_PART)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(VISION_PART if p.get("type") in ("image", "image_url")
+                   else p.get("text", "") for p in content)
+
+
+class ImageEncoder:
+    """Tokenizes text whose images appear as one `<|image_pad|>` each: every pad becomes the run
+    of placeholder tokens its image fills, and the image its `ImageInput` (start relative to the
+    returned ids). Uses the checkpoint's image processor (preprocessor_config.json)."""
+
+    def __init__(self, model_path: str | Path, tokenizer: Any) -> None:
+        from transformers import AutoImageProcessor
+
+        config = AutoConfig.from_pretrained(model_path)
+        if not is_vl(config):
+            raise ValueError(f"model '{model_path}' ({config.model_type}) takes no images: an "
+                             "environment or chat message sent an image to a text-only policy")
+        self.processor = AutoImageProcessor.from_pretrained(model_path)
+        self.tok = tokenizer
+        self.image_id = config.image_token_id
+        self.pad = tokenizer.convert_ids_to_tokens(self.image_id)
+
+    def encode(self, text: str, images: Sequence[Any]) -> tuple[list[int], list[ImageInput]]:
+        pieces = text.split(self.pad)
+        if len(pieces) - 1 != len(images):
+            raise ValueError(f"text has {len(pieces) - 1} image placeholders ({self.pad}) but "
+                             f"{len(images)} images were given")
+        grids, patches = torch.zeros(0, 3, dtype=torch.long), torch.zeros(0)
+        if images:
+            out = self.processor(images=list(images), return_tensors="pt")
+            grids, patches = out["image_grid_thw"], out["pixel_values"]
+        merge = self.processor.merge_size ** 2
+        ids: list[int] = []
+        result: list[ImageInput] = []
+        offset = 0
+        for i, piece in enumerate(pieces):
+            ids += self.tok(piece, add_special_tokens=False).input_ids
+            if i == len(images):
+                break
+            n_patches = int(grids[i].prod())
+            n = n_patches // merge
+            result.append(ImageInput(patches[offset:offset + n_patches].clone(),
+                                     grids[i].tolist(), len(ids), n))
+            offset += n_patches
+            ids += [self.image_id] * n
+        return ids, result
+
+
+def model_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Forward kwargs for a padded batch [B, T] whose images, in row then appearance order, are
+    `pixel_values` [patches, D] and `grid_thw` [images, 3]: the patches and the explicit position
+    ids [4, B, T] (text positions, then the three mRoPE rows of `get_rope_index`)."""
+    config = model.config
+    image_tokens = input_ids == config.image_token_id
+    merge = config.vision_config.spatial_merge_size ** 2
+    want = int(grid_thw.prod(-1).sum()) // merge
+    if int(image_tokens.sum()) != want:
+        raise ValueError(f"the batch holds {int(image_tokens.sum())} image placeholder tokens but "
+                         f"its {len(grid_thw)} images fill {want}: images and tokens are out of step")
+    mrope, _ = model.model.get_rope_index(input_ids, image_tokens.int(), image_grid_thw=grid_thw,
+                                          attention_mask=attention_mask)
+    text = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return {"position_ids": torch.cat([text[None], mrope]), "pixel_values": pixel_values,
+            "image_grid_thw": grid_thw}
+
+
+def unpack_rows(pixel_values: torch.Tensor, grid: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `trajectory.collate`'s image packing, for a slice of its rows: pixel_values
+    [patches, D] and image_grid_thw [images, 3] in row order."""
+    pv, grids = [], []
+    for b in range(grid.shape[0]):
+        g = grid[b][grid[b].prod(-1) > 0]
+        pv.append(pixel_values[b, :int(g.prod(-1).sum())])
+        grids.append(g)
+    return torch.cat(pv), torch.cat(grids)

@@ -1,0 +1,160 @@
+"""Qwen3-VL policies: images in the prompt and in env turns, token-exact, engine == trainer.
+
+Real components: a tiny random-init Qwen3-VL with its image processor built locally, the `hf`
+engine's decode loop, the gym agent with the `colours` env, the trainer's `token_logprobs`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from molt_core import multimodal
+from molt_core.engines.hf import HFEngine
+from molt_core.generator import RolloutContext
+from molt_core.plugins import build_plugins
+from molt_core.policy import token_logprobs
+from molt_core.trajectory import InvariantError, collate
+from molt_gym import GymAgent
+
+SAMPLING = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                max_new_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_vl_dir):
+    return AutoTokenizer.from_pretrained(tiny_vl_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_vl_dir):
+    return HFEngine(str(tiny_vl_dir))
+
+
+def test_tiny_vl_model_processor_and_template(tiny_vl_dir, tok):
+    cfg = AutoConfig.from_pretrained(tiny_vl_dir)
+    text = cfg.get_text_config()
+    assert cfg.model_type == "qwen3_vl" and text.head_dim >= 32 and text.dtype == torch.float32
+    assert sum(text.rope_parameters["mrope_section"]) == text.head_dim // 2
+    pad = tok.convert_ids_to_tokens(cfg.image_token_id)
+    assert pad == "<|image_pad|>" and tok.encode(pad) == [cfg.image_token_id]
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image", "image": None},
+                                      {"type": "text", "text": "colour?"}]}],
+        tokenize=False, add_generation_prompt=True)
+    assert rendered == ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>colour?"
+                        "<|im_end|>\n<|im_start|>assistant\n")
+    enc = multimodal.ImageEncoder(tiny_vl_dir, tok)
+    image = np.full((32, 32, 3), 200, dtype=np.uint8)
+    ids, images = enc.encode("a<|vision_start|><|image_pad|><|vision_end|>b", [image])
+    (im,) = images
+    assert im.grid_thw == [1, 4, 4] and im.num_tokens == 4 and im.pixel_values.shape == (16, 384)
+    assert ids[im.start:im.start + 4] == [cfg.image_token_id] * 4
+    assert tok.decode(ids) == "a<|vision_start|>" + pad * 4 + "<|vision_end|>b"
+    with pytest.raises(ValueError, match="1 image placeholders .* but 2 images"):
+        enc.encode("<|image_pad|>", [image, image])
+
+
+def _rollouts(tiny_vl_dir, tok, engine, n: int, **env_args):
+    """n concurrent two-turn rollouts (one engine wave: rows of different lengths)."""
+    agent = GymAgent(SimpleNamespace(model=SimpleNamespace(path=str(tiny_vl_dir))), tok,
+                     build_plugins(), env="colours", env_args={"turns": 2, **env_args},
+                     max_turns=2)
+    completions: dict[int, list[list[int]]] = {i: [] for i in range(n)}
+
+    def generate_for(i):
+        async def generate(prompt_ids, sampling=None, images=None):
+            c = await engine.generate(prompt_ids, sampling or SAMPLING, images)
+            completions[i].append(c.token_ids)
+            return c
+        return generate
+
+    async def run():
+        return await asyncio.gather(*(agent.rollout(RolloutContext(0, i, 100 + i, dict(SAMPLING),
+                                                                   generate_for(i), tok))
+                                      for i in range(n)))
+    return asyncio.run(run()), completions
+
+
+def test_vl_rollout_with_images_in_two_turns_is_token_exact_and_matches_trainer(
+        tiny_vl_dir, tok, engine):
+    trajs, completions = _rollouts(tiny_vl_dir, tok, engine, 6, prompt="colour?")
+    cfg = AutoConfig.from_pretrained(tiny_vl_dir)
+    for i, t in enumerate(trajs):
+        t.check(len(tok))
+        # Token identity: the trainable tokens are exactly the engine's, in order.
+        assert [x for x, m in zip(t.token_ids, t.loss_mask) if m] == sum(completions[i], [])
+        # One image per turn: the second image's placeholders come after the first reply.
+        first, second = t.images
+        first_reply = t.loss_mask.index(True)
+        assert first.start < first_reply < second.start
+        for im in t.images:
+            span = t.token_ids[im.start - 1:im.start + im.num_tokens + 1]
+            assert span == [cfg.vision_start_token_id, *[cfg.image_token_id] * 4,
+                            cfg.vision_end_token_id]
+            assert not any(t.loss_mask[im.start:im.start + im.num_tokens])
+    assert len({len(t) for t in trajs}) > 1           # left padding inside the engine wave
+    # Forward consistency: the trainer's forward (mRoPE positions from the same images) gives
+    # the engine's behavior log-probs.
+    batch = collate(trajs, [[0.0] * len(t) for t in trajs], tok.pad_token_id)
+    model = multimodal.load_model(tiny_vl_dir, torch.float32).eval()
+    args = (model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 1024)
+    images = (batch["pixel_values"], batch["image_grid_thw"])
+    mask = batch["loss_mask"]
+    with torch.no_grad():
+        lp = token_logprobs(*args, images=images)
+        assert (lp - batch["behavior_logprobs"])[mask].abs().max() < 1e-5
+        # Without the images (or with plain 1-D positions) the trainer would see another input.
+        blind = token_logprobs(*args)
+    assert (blind - batch["behavior_logprobs"])[mask].abs().max() > 1e-3
+
+
+def test_mrope_positions_are_what_make_the_match(tiny_vl_dir, tok, engine):
+    """Text positions after an image run are smaller than the token index (mRoPE); feeding the
+    images with sequential positions changes the log-probs."""
+    trajs, _ = _rollouts(tiny_vl_dir, tok, engine, 2, prompt="colour?")
+    batch = collate(trajs, [[0.0] * len(t) for t in trajs], tok.pad_token_id)
+    model = multimodal.load_model(tiny_vl_dir, torch.float32).eval()
+    extra = multimodal.model_inputs(model, batch["input_ids"], batch["attention_mask"],
+                                    *multimodal.unpack_rows(batch["pixel_values"],
+                                                            batch["image_grid_thw"]))
+    pos = extra.pop("position_ids")
+    n = int(batch["attention_mask"][0].sum())
+    assert (pos[1:, 0, n - 1] == n - 1 - 4).all()   # a 2x2-token image advances 2 positions
+    with torch.no_grad():
+        good = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     position_ids=pos, **extra).logits
+        naive = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                      position_ids=pos[0], **extra).logits
+    assert (good - naive).abs().max() > 1e-3
+
+
+def test_image_tokens_are_never_trainable_nor_sampled(tiny_vl_dir, tok, engine):
+    (t,), _ = _rollouts(tiny_vl_dir, tok, engine, 1)
+    t.loss_mask[t.images[1].start + 1] = True
+    t.logprobs[t.images[1].start + 1], t.versions[t.images[1].start + 1] = -1.0, 0
+    with pytest.raises(InvariantError, match="image placeholder tokens .* are trainable"):
+        t.check(len(tok))
+    # The engine masks vision special tokens: a hot sampler over many tokens never emits one.
+    banned = set(multimodal.vision_token_ids(AutoConfig.from_pretrained(tiny_vl_dir)))
+    hot = {**SAMPLING, "temperature": 5.0, "max_new_tokens": 64, "stop_token_ids": []}
+    (image,) = t.images[:1]
+
+    async def sample():
+        prompt = t.token_ids[:image.start + image.num_tokens + 1]
+        return await asyncio.gather(*(engine.generate(prompt, hot, [image]) for _ in range(8)))
+    sampled = {x for c in asyncio.run(sample()) for x in c.token_ids}
+    assert len(sampled) > 20 and not sampled & banned
+
+
+def test_text_only_engine_rejects_images(tiny_model_dir, tiny_vl_dir, tok, engine):
+    (t,), _ = _rollouts(tiny_vl_dir, tok, engine, 1)
+    text_engine = HFEngine(str(tiny_model_dir))
+    with pytest.raises(ValueError, match="takes no images"):
+        asyncio.run(text_engine.generate([1, 2, 3], SAMPLING, t.images))
+
