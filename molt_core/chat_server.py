@@ -15,6 +15,10 @@ rollout's `generate(prompt_ids, sampling) -> Completion`, and records the sessio
 - A prompt that does not fit the context returns `finish_reason: "length"` (Anthropic:
   `stop_reason: "max_tokens"`), generates nothing, and marks the rollout truncated.
 
+Images (VL policies): OpenAI `image_url` content parts carrying base64 data URIs
+(`data:image/png;base64,...`) are decoded and rendered by the template as image placeholders; the
+images ride with the trajectory (`molt_core.multimodal`). Remote URLs are refused (400).
+
 Sampling is the run's (`sampling` given to `open_session`), never the request's: `temperature`,
 `top_p`, `stop`, ... in a request are ignored, because behavior log-probs must come from the run's
 explicit sampling. A request's `max_tokens` (or `max_completion_tokens`) only caps
@@ -45,11 +49,12 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from molt_core.trajectory import Completion, Trajectory
+from molt_core import multimodal
+from molt_core.trajectory import Completion, ImageInput, Trajectory
 
 __all__ = ["ChatServer", "ChatSession", "parse_tool_calls", "shared_server", "shutdown_shared"]
 
-GenerateFn = Callable[[list[int], dict], Awaitable[Completion]]
+GenerateFn = Callable[..., Awaitable[Completion]]   # (prompt_ids, sampling[, images])
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -89,13 +94,24 @@ class ChatSession:
     _cache: dict[str, dict] = field(default_factory=dict)
     _raw_args: dict[str, str] = field(default_factory=dict)  # tool call id -> arguments as sampled
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _images: multimodal.ImageEncoder | None = None
 
     def render(self, messages: list[dict], tools: list[dict] | None) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                   add_generation_prompt=True)
 
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+    def _encode(self, text: str, messages: list[dict]) -> tuple[list[int], list[ImageInput]]:
+        """Ids of `text` (the rendering of `messages`) and the images those messages hold."""
+        try:
+            images = multimodal.images_of(messages)
+            if not images:
+                return self.tokenizer(text, add_special_tokens=False).input_ids, []
+            if self._images is None:
+                self._images = multimodal.ImageEncoder(self.tokenizer.name_or_path,
+                                                       self.tokenizer)
+            return self._images.encode(text, images)
+        except ValueError as e:    # a bad data URI, or images for a text-only model
+            raise _RequestError(400, str(e)) from None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False,
@@ -111,9 +127,11 @@ class ChatSession:
                    and messages[:len(prev)] == prev and rendered.startswith(self._covered)
                    and len(rendered) > len(self._covered))
         if extends:
-            new_ids, seg_start = self._encode(rendered[len(self._covered):]), self._seg_start
+            new_ids, new_images = self._encode(rendered[len(self._covered):],
+                                               messages[len(prev):])
+            seg_start = self._seg_start
         else:
-            new_ids, seg_start = self._encode(rendered), len(traj)
+            (new_ids, new_images), seg_start = self._encode(rendered, messages), len(traj)
         prompt = traj.token_ids[seg_start:] + new_ids
         room = self.max_context - len(prompt)
         if room < 1:
@@ -123,12 +141,14 @@ class ChatSession:
         if not extends and len(traj):
             traj.segments.append(seg_start)
         self._seg_start = seg_start
-        traj.add_prompt(new_ids)
+        traj.add_prompt(new_ids, new_images)
         self._covered, self._messages, self._tools = rendered, messages, tools
         cap = self.sampling["max_new_tokens"] if max_tokens is None else max_tokens
         sampling = {**self.sampling,
                     "max_new_tokens": max(1, min(self.sampling["max_new_tokens"], cap, room))}
-        completion = await self.generate(prompt, sampling)
+        images = [im.shifted(-seg_start) for im in traj.images if im.start >= seg_start]
+        completion = await (self.generate(prompt, sampling, images) if images
+                            else self.generate(prompt, sampling))
         self.generations += 1
         if completion.finish_reason == "abort":
             raise _RequestError(503, "the engine aborted the generation")
@@ -196,6 +216,24 @@ def _text(content: Any) -> str:
     raise _RequestError(400, f"unsupported message content {type(content).__name__}")
 
 
+def _content(content: Any) -> str | list[dict]:
+    """OpenAI content -> text, or text and image_url parts when it holds images."""
+    if not isinstance(content, list) or not any(
+            isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+        return _text(content)
+    parts: list[dict] = []
+    for p in content:
+        if isinstance(p, dict) and p.get("type") == "image_url":
+            url = p.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str):
+                raise _RequestError(400, "image_url part without a url")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": _text([p])})
+    return parts
+
+
 def _openai_messages(body: dict) -> tuple[list[dict], list[dict] | None]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -207,7 +245,7 @@ def _openai_messages(body: dict) -> tuple[list[dict], list[dict] | None]:
             role = "system"
         if role not in ("system", "user", "assistant", "tool"):
             raise _RequestError(400, f"unsupported message role {role!r}")
-        msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"))}
+        msg: dict[str, Any] = {"role": role, "content": _content(m.get("content"))}
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = [
                 {"id": c.get("id"), "type": "function",

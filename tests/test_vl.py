@@ -7,6 +7,8 @@ engine's decode loop, the gym agent with the `colours` env, the trainer's `token
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 from types import SimpleNamespace
 
 import numpy as np
@@ -158,3 +160,88 @@ def test_text_only_engine_rejects_images(tiny_model_dir, tiny_vl_dir, tok, engin
     with pytest.raises(ValueError, match="takes no images"):
         asyncio.run(text_engine.generate([1, 2, 3], SAMPLING, t.images))
 
+
+
+def _data_uri(rgb) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), rgb).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _image_message(rgb, text: str) -> dict:
+    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_uri(rgb)}},
+                                        {"type": "text", "text": text}]}
+
+
+def test_openai_sdk_image_url_data_uris_in_two_turns(tiny_vl_dir, tok, engine):
+    """The real openai SDK sends images as data URIs in two turns: they ride with the
+    trajectory, the replies are the engine's tokens, and the trainer's log-probs match."""
+    import openai
+
+    from molt_core.chat_server import ChatServer
+
+    calls = []
+
+    async def generate(prompt_ids, sampling, images=None):
+        c = await engine.generate(prompt_ids, sampling, images)
+        calls.append((len(images or []), c.token_ids))
+        return c
+
+    async def main():
+        server = ChatServer()
+        await server.start()
+        s = server.open_session(tok, generate, {**SAMPLING, "max_new_tokens": 6},
+                                max_context=256)
+        client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+        messages = [_image_message((200, 30, 30), "colour?")]
+        for rgb in [(30, 30, 200), None]:
+            r = await client.chat.completions.create(model="policy", messages=messages)
+            messages.append({"role": "assistant", "content": r.choices[0].message.content})
+            if rgb:
+                messages.append(_image_message(rgb, "and now?"))
+        bad = [{"role": "user", "content": [{"type": "image_url",
+                                             "image_url": {"url": "https://example.com/a.png"}}]}]
+        with pytest.raises(openai.BadRequestError, match="base64 data URI"):
+            await client.chat.completions.create(model="policy", messages=bad)
+        await client.close()
+        traj = server.close_session(s)
+        await server.close()
+        return traj
+
+    traj = asyncio.run(main())
+    traj.check(len(tok))
+    assert traj.segments == [0] and [n for n, _ in calls] == [1, 2]
+    assert [x for x, m in zip(traj.token_ids, traj.loss_mask) if m] == calls[0][1] + calls[1][1]
+    assert len(traj.images) == 2 and traj.images[1].start > traj.loss_mask.index(True)
+    batch = collate([traj], [[0.0] * len(traj)], tok.pad_token_id)
+    model = multimodal.load_model(tiny_vl_dir, torch.float32).eval()
+    with torch.no_grad():
+        lp = token_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                            batch["loss_mask"], 1.0, 1024,
+                            images=(batch["pixel_values"], batch["image_grid_thw"]))
+    mask = batch["loss_mask"]
+    assert (lp - batch["behavior_logprobs"])[mask].abs().max() < 1e-5
+
+
+def test_chat_server_refuses_images_for_a_text_only_model(tiny_model_dir):
+    import openai
+
+    from molt_core.chat_server import ChatServer
+
+    text_tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    async def main():
+        server = ChatServer()
+        await server.start()
+        s = server.open_session(text_tok, None, SAMPLING, max_context=256)
+        client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+        try:
+            with pytest.raises(openai.BadRequestError, match="takes no images"):
+                await client.chat.completions.create(
+                    model="policy", messages=[_image_message((0, 0, 0), "hi")])
+        finally:
+            await client.close()
+            await server.close()
+    asyncio.run(main())
