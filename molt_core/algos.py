@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["CORRECTIONS", "aggregate", "clipped_surrogate", "entropy_from_logits", "group_stats",
-           "is_correction", "kl_estimate", "masked_mean", "masked_whiten"]
+           "is_correction", "kl_estimate", "loss_terms", "masked_mean", "masked_whiten", "value_loss"]
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -108,6 +108,48 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     logits = logits.float()
     p = torch.softmax(logits, -1)
     return torch.logsumexp(logits, -1) - (p * logits).sum(-1)
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+               clip: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
+    """The critic's clipped regression loss (PPO2): with v_c = v_old + clip(v - v_old, -c, c),
+    l_t = 1/2 max((v_t - R_t)^2, (v_c,t - R_t)^2); `clip` 0: l_t = 1/2 (v_t - R_t)^2.
+
+    All [B, T]; returns the per-token loss and where the clipped branch is larger (there the
+    gradient through `values` is zero).
+    """
+    unclipped = (values - returns) ** 2
+    if clip <= 0:
+        return 0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+    v_c = old_values + (values - old_values).clamp(-clip, clip)
+    clipped = (v_c - returns) ** 2
+    return 0.5 * torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def loss_terms(logprobs: torch.Tensor, entropy: torch.Tensor, *,
+               ref_logprobs: torch.Tensor | None = None, values: torch.Tensor | None = None,
+               old_values: torch.Tensor | None = None, returns: torch.Tensor | None = None,
+               kl_coef: float = 0.0, kl_estimator: str = "k3", entropy_coef: float = 0.0,
+               value_coef: float = 0.5, value_clip: float = 0.2
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """What the trainer adds to any loss's per-token value (`algorithm.terms`), all [B, T]:
+
+      + kl_coef * kl_t(logprobs, ref_logprobs)     (when `ref_logprobs` is given)
+      - entropy_coef * H_t                         (entropy bonus)
+      + value_coef * value_loss_t                  (the critic, when `values` are given)
+    Metrics: `entropy` always, `kl`, `value/loss`, `value/clip_fraction` when computed.
+    """
+    add = -entropy_coef * entropy if entropy_coef else torch.zeros_like(logprobs)
+    metrics = {"entropy": entropy.detach()}
+    if ref_logprobs is not None:
+        kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
+        add = add + kl_coef * kl
+        metrics["kl"] = kl.detach()
+    if values is not None:
+        vl, clipped = value_loss(values, old_values, returns, value_clip)
+        add = add + value_coef * vl
+        metrics.update({"value/loss": vl.detach(), "value/clip_fraction": clipped.float()})
+    return add, metrics
 
 
 # Off-policy correction modes and their thresholds (`algorithm.correction`, `correction_args`).

@@ -18,8 +18,8 @@ import yaml
 
 __all__ = [
     "AgentConfig", "AlgorithmConfig", "CheckConfig", "Config", "ConfigError", "EngineConfig",
-    "ModelConfig", "RayConfig", "RolloutConfig", "SamplingConfig", "TrainerConfig",
-    "apply_overrides", "from_dict", "load_config", "model_facts", "to_dict",
+    "LossTermsConfig", "ModelConfig", "RayConfig", "RolloutConfig", "SamplingConfig",
+    "TrainerConfig", "apply_overrides", "from_dict", "load_config", "model_facts", "to_dict",
 ]
 
 
@@ -94,6 +94,20 @@ class TrainerConfig:
 
 
 @dataclass
+class LossTermsConfig:
+    """Terms the trainer adds to any loss's per-token value (formulas: `molt_core.algos`)."""
+    kl_coef: float = 0.0                 # KL(pi || pi_ref), pi_ref = frozen initial weights
+                                         # (loaded only when > 0)
+    kl_estimator: str = "k3"             # k1 | k2 | k3
+    kl_in: str = "loss"                  # loss: + kl_coef * kl_t per token | reward: r_t -=
+                                         # kl_coef * kl_t (detached, on the behavior log-probs)
+    entropy_coef: float = 0.0            # - entropy_coef * H(pi(.|s_t)) per token
+    value_coef: float = 0.5              # critic loss weight (estimators that need values: ppo)
+    value_clip: float = 0.2              # critic clip range around the pre-update values; 0: off
+    value_lr: float = 0.0                # critic learning rate; 0: trainer.lr
+
+
+@dataclass
 class AlgorithmConfig:
     estimator: str = "grpo"
     estimator_args: dict = field(default_factory=dict)
@@ -105,6 +119,7 @@ class AlgorithmConfig:
     # icepop {low: 0.5, high: 2.0}, mis {low: 0.5, high: 2.0} (on the sequence geometric mean).
     correction: str = "none"
     correction_args: dict = field(default_factory=dict)
+    terms: LossTermsConfig = field(default_factory=LossTermsConfig)
 
 
 @dataclass
@@ -285,6 +300,7 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise ConfigError(msg)
     _validate_correction(cfg)
+    _validate_terms(cfg.algorithm.terms)
     if not cfg.model.path:
         raise ConfigError("model.path is missing: set it to a local HF model directory "
                           "(make one with `molt tiny-model DIR`)")
@@ -387,3 +403,15 @@ def _validate_correction(cfg: Config) -> None:
         raise ConfigError(f"algorithm.correction '{a.correction}' needs untruncated sampling: "
                           "top_p < 1, top_k > 0 or min_p > 0 bias the behavior log-probs the "
                           "importance weights are computed from (set top_p=1, top_k=0, min_p=0)")
+
+
+def _validate_terms(t: LossTermsConfig) -> None:
+    if t.kl_estimator not in ("k1", "k2", "k3"):
+        raise ConfigError(f"algorithm.terms.kl_estimator '{t.kl_estimator}' unknown; valid: k1, k2, k3")
+    if t.kl_in not in ("loss", "reward"):
+        raise ConfigError(f"algorithm.terms.kl_in '{t.kl_in}' unknown; valid: loss, reward")
+    negative = [k for k in ("kl_coef", "entropy_coef", "value_coef", "value_clip", "value_lr")
+                if getattr(t, k) < 0]
+    if negative:
+        raise ConfigError(f"algorithm.terms.{negative[0]} must be >= 0 (got "
+                          f"{getattr(t, negative[0])})")

@@ -26,8 +26,10 @@ def molt_estimators() -> dict[str, Callable]:
     """Register advantage estimators.
 
     Returns `{name: fn}` with `fn(rewards[R], group_index[R], **kwargs) -> advantages[R]` (float
-    tensors; `group_index` long) or a per-token `advantages` list when the estimator needs token
-    positions. Keyword arguments come from `algorithm.estimator_args`.
+    tensors; `group_index` long). An estimator with `fn.needs_values = True` works per token with
+    the critic's values instead: `fn(rewards[B, T], values[B, T], mask[B, T], group_index[B],
+    **kwargs) -> (advantages[B, T], returns[B, T])` (see `molt_core.advantage`). Keyword arguments
+    come from `algorithm.estimator_args`.
     """
 
 

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from molt_core import moe, multimodal, weight_sync
-from molt_core.algos import aggregate, is_correction
+from molt_core.algos import aggregate, is_correction, loss_terms
 from molt_core.config import TrainerConfig
 
 __all__ = ["Policy", "PolicyWorker", "token_logprobs"]
@@ -39,7 +39,9 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
                    loss_mask: torch.Tensor, temperature: float, chunk: int,
                    routed_experts: torch.Tensor | None = None, moe_routing: str = "replay",
                    routing_out: list | None = None,
-                   images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   images: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   extras: dict | None = None,
+                   value_head: torch.nn.Module | None = None) -> torch.Tensor:
     """[b, T] log p(input_ids[:, t] | input_ids[:, <t]) / temperature at trainable t, 0 elsewhere.
 
     Only trainable positions go through `lm_head`, `chunk` tokens at a time; with grad enabled each
@@ -49,6 +51,9 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     [b, T, layers, k] expert ids the forward used.
     VL models: `images` is the rows' (pixel_values [b, P, D], image_grid_thw [b, I, 3]) from
     `collate`, fed with the engine's mRoPE positions; vision tokens are masked as in the engine.
+    `extras` (a dict) receives "entropy" [b, T], the entropy of the same temperature-scaled
+    distribution at trainable t, and with `value_head` (the critic) "values" [b, T], the value of
+    the state before token t, read from the detached final hidden state.
     """
     extra = {}
     if images is not None and images[1].any():
@@ -62,23 +67,33 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     rows, cols = loss_mask[:, 1:].nonzero(as_tuple=True)    # hidden[:, t] predicts token t+1
     h, targets = hidden[rows, cols], input_ids[rows, cols + 1]                   # [N, H], [N]
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=hidden.device)
+    if extras is not None and value_head is not None:
+        extras["values"] = out.index_put((rows, cols + 1),
+                                         value_head(h.detach().float()).squeeze(-1))
     if rows.numel() == 0:
+        if extras is not None:
+            extras["entropy"] = out
         # Stay in the graph so backward, and with it FSDP's reduce-scatters, runs on every rank.
         return out + 0.0 * model.lm_head(hidden[:1, 0]).float().sum()
 
     banned = torch.tensor(multimodal.vision_token_ids(model.config), device=hidden.device,
                           dtype=torch.long)
 
-    def piece(h_c: torch.Tensor, t_c: torch.Tensor) -> torch.Tensor:
+    def piece(h_c: torch.Tensor, t_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = model.lm_head(h_c).float() / temperature                       # [c, V]
         logits = logits.index_fill(-1, banned, -float("inf")) if banned.numel() else logits
-        return logits.log_softmax(-1).gather(-1, t_c[:, None]).squeeze(-1)
+        logp = logits.log_softmax(-1)
+        # entropy: exp(-inf) * -inf is nan at banned ids; their probability is 0
+        return (logp.gather(-1, t_c[:, None]).squeeze(-1),
+                -(logp.exp() * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1))
 
     grad = torch.is_grad_enabled()
     pieces = [checkpoint(piece, h[s:s + chunk], targets[s:s + chunk], use_reentrant=False) if grad
               else piece(h[s:s + chunk], targets[s:s + chunk])
               for s in range(0, rows.numel(), chunk)]
-    return out.index_put((rows, cols + 1), torch.cat(pieces))
+    if extras is not None:
+        extras["entropy"] = out.index_put((rows, cols + 1), torch.cat([p[1] for p in pieces]))
+    return out.index_put((rows, cols + 1), torch.cat([p[0] for p in pieces]))
 
 
 class PolicyWorker:
@@ -106,7 +121,9 @@ class PolicyWorker:
         # The root owns embed/norm/lm_head: gathered only inside a registered forward method.
         model.molt_token_logprobs = functools.partial(token_logprobs, model)
         register_fsdp_forward_method(model, "molt_token_logprobs")
-        self.model = model
+        self.model, self.model_path, self.dtype = model, model_path, dtype
+        self.reference: Any = None                       # frozen initial weights (KL), lazy
+        self.value_head: torch.nn.Linear | None = None   # the critic, lazy
         self.optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                        lr=trainer["lr"],
                                        betas=tuple(trainer["betas"]),
@@ -140,18 +157,39 @@ class PolicyWorker:
         return mbs
 
     def _logprobs(self, mb: dict[str, torch.Tensor], temperature: float,
-                  routing_out: list | None = None) -> torch.Tensor:
-        return self.model.molt_token_logprobs(mb["input_ids"], mb["attention_mask"],
-                                              mb["loss_mask"], temperature,
-                                              self.cfg["logprob_chunk"],
-                                              mb.get("routed_experts"),
-                                              self.cfg["moe_routing"], routing_out,
-                                              _images(mb))
+                  routing_out: list | None = None, extras: dict | None = None,
+                  value_head: torch.nn.Module | None = None, model: Any = None) -> torch.Tensor:
+        return (model or self.model).molt_token_logprobs(
+            mb["input_ids"], mb["attention_mask"], mb["loss_mask"], temperature,
+            self.cfg["logprob_chunk"], mb.get("routed_experts"), self.cfg["moe_routing"],
+            routing_out, _images(mb), extras, value_head)
+
+    def _reference(self) -> Any:
+        """pi_ref for the KL term: the initial weights, frozen, built and sharded like the policy
+        (`_build_model`)."""
+        if self.reference is None:
+            ref = self._build_model(self.model_path, _DTYPES[self.dtype]).requires_grad_(False)
+            ref.molt_token_logprobs = functools.partial(token_logprobs, ref)
+            register_fsdp_forward_method(ref, "molt_token_logprobs")
+            self.reference = ref.eval()
+        return self.reference
+
+    def _critic(self) -> torch.nn.Linear:
+        """The critic: a zero-initialised Linear(hidden, 1) on the policy's detached final hidden
+        states, replicated on every rank (outside FSDP; its grads are all-reduced by hand)."""
+        if self.value_head is None:
+            hidden = self.model.config.get_text_config().hidden_size
+            head = torch.nn.Linear(hidden, 1, device=self.device)
+            torch.nn.init.zeros_(head.weight)
+            torch.nn.init.zeros_(head.bias)
+            self.optim.add_param_group({"params": list(head.parameters())})
+            self.value_head, self.critic_group = head, self.optim.param_groups[-1]
+        return self.value_head
 
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, loss_args: dict,
                    loss_agg: str, num_tokens: int, num_seqs: int, temperature: float,
                    correction: str = "none", correction_args: dict | None = None,
-                   version: int | None = None) -> dict[str, Any]:
+                   version: int | None = None, terms: dict | None = None) -> dict[str, Any]:
         """One optimizer step on this rank's rows; returns mergeable sums, counts and maxima.
 
         `correction` "none": the loss compares the trainer with the behavior log-probs directly.
@@ -160,14 +198,21 @@ class PolicyWorker:
         multiplied by the off-policy weight of `algos.is_correction` (TIS / IcePop / MIS).
         `version`: the trainer's weight version; the engine-vs-trainer gap (`mismatch/max_abs`,
         invariant 3) is measured on tokens sampled by it only (all tokens when None).
+        `terms` (`algorithm.terms`): KL, entropy and, when the batch has `returns`, critic terms
+        added to the loss's per-token value (`algos.loss_terms`).
         """
         t0 = time.perf_counter()
         loss_total, sums, counts = 0.0, {}, {}
         max_abs = 0.0
+        terms = terms or {}
+        critic = self._critic() if "returns" in batch else None
+        if critic is not None:
+            self.critic_group["lr"] = terms.get("value_lr") or self.cfg["lr"]
         for mb in self._micro_batches(batch):
             mask = mb["loss_mask"]
             used: list[torch.Tensor] = []
-            lp = self._logprobs(mb, temperature, used)
+            extras: dict[str, torch.Tensor] = {}
+            lp = self._logprobs(mb, temperature, used, extras, critic)
             behavior = mb["behavior_logprobs"]
             if correction == "none":
                 per_token, metrics = loss_fn(lp, behavior, mb["advantages"], mask, **loss_args)
@@ -177,6 +222,15 @@ class PolicyWorker:
                                                    **(correction_args or {}))
                 per_token = per_token * weight
                 metrics = {**metrics, **is_metrics}
+            ref = None
+            if terms.get("kl_coef", 0.0) > 0 and terms.get("kl_in", "loss") == "loss":
+                with torch.no_grad():
+                    ref = self._logprobs(mb, temperature, model=self._reference())
+            add, term_metrics = loss_terms(
+                lp, extras["entropy"], ref_logprobs=ref, values=extras.get("values"),
+                old_values=mb.get("old_values"), returns=mb.get("returns"),
+                **{k: v for k, v in terms.items() if k not in ("kl_in", "value_lr")})
+            per_token, metrics = per_token + add, {**metrics, **term_metrics}
             loss = aggregate(per_token, mask, loss_agg, num_tokens, num_seqs)
             # FSDP2 averages grads over ranks; x grad_scale makes the step's grad sum/global count.
             (loss * self.grad_scale).backward()
@@ -209,6 +263,14 @@ class PolicyWorker:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg["grad_clip"])
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
+        if critic is not None:
+            for p in critic.parameters():     # loss x world_size: SUM / world_size
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+                dist.all_reduce(p.grad)
+                p.grad /= self.world_size
+            torch.nn.utils.clip_grad_norm_(critic.parameters(), self.cfg["grad_clip"])
+        if self.reference is not None:
+            self.reference.reshard()
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
         return {"loss": loss_total, "grad_norm": float(grad_norm), "sums": sums, "counts": counts,
@@ -236,6 +298,33 @@ class PolicyWorker:
             s += lp.shape[0]
         self.model.reshard()            # the root keeps its params gathered after forward
         return (out, ids) if with_routing else out
+
+    @torch.no_grad()
+    def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[b, T] the critic's values of the states before trainable tokens (0 elsewhere)."""
+        def fn(mb: dict[str, torch.Tensor]) -> torch.Tensor:
+            extras: dict[str, torch.Tensor] = {}
+            self._logprobs(mb, 1.0, None, extras, self._critic())
+            return extras["values"]
+        return self._per_token(batch, self.model, fn)
+
+    @torch.no_grad()
+    def ref_logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0
+                     ) -> torch.Tensor:
+        """[b, T] log-probs of trainable tokens under pi_ref (the frozen initial weights)."""
+        ref = self._reference()
+        return self._per_token(batch, ref, lambda mb: self._logprobs(mb, temperature, model=ref))
+
+    def _per_token(self, batch: dict[str, torch.Tensor], model: Any,
+                   fn: Callable[[dict], torch.Tensor]) -> torch.Tensor:
+        B, T = batch["input_ids"].shape
+        out, s = torch.zeros(B, T), 0
+        for mb in self._micro_batches(batch):
+            x = fn(mb).cpu()
+            out[s:s + x.shape[0], :x.shape[1]] = x
+            s += x.shape[0]
+        model.reshard()                 # the root keeps its params gathered after forward
+        return out
 
     def _named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.model.named_parameters():
@@ -342,15 +431,15 @@ class Policy:
 
     def train(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, loss_args: dict | None = None,
               loss_agg: str = "token-mean", temperature: float = 1.0, correction: str = "none",
-              correction_args: dict | None = None, version: int | None = None
-              ) -> dict[str, float]:
+              correction_args: dict | None = None, version: int | None = None,
+              terms: dict | None = None) -> dict[str, float]:
         """One optimizer step on a `collate` batch [B, T]; returns plain-float metrics.
-        `correction`/`version`: see `PolicyWorker.train_step`."""
+        `correction`/`version`/`terms`: see `PolicyWorker.train_step`."""
         mask = batch["loss_mask"]
         num_tokens, num_seqs = int(mask.sum()), int(mask.any(-1).sum())
         outs = self._get([w.train_step.remote(part, loss_fn, loss_args or {}, loss_agg, num_tokens,
                                               num_seqs, temperature, correction,
-                                              correction_args or {}, version)
+                                              correction_args or {}, version, terms)
                           for w, part in zip(self.workers, self._split(batch))],
                          "train_step")[::self.replicas]
         metrics = {"loss": sum(o["loss"] for o in outs), "grad_norm": outs[0]["grad_norm"]}
@@ -376,6 +465,21 @@ class Policy:
         lp = torch.cat([p[0] for p in parts])[:B]
         ids = None if parts[0][1] is None else torch.cat([p[1] for p in parts])[:B]
         return lp, ids
+
+    def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[B, T] the critic's values at trainable positions (pre-update), 0 elsewhere."""
+        return self._per_rank("values", batch)
+
+    def ref_logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0
+                     ) -> torch.Tensor:
+        """[B, T] log-probs under the frozen initial weights at trainable positions."""
+        return self._per_rank("ref_logprobs", batch, temperature)
+
+    def _per_rank(self, method: str, batch: dict[str, torch.Tensor], *args: Any) -> torch.Tensor:
+        parts = self._get([getattr(w, method).remote(p, *args)
+                           for w, p in zip(self.workers, self._split(batch))],
+                          method)[::self.replicas]
+        return torch.cat(parts)[:batch["input_ids"].shape[0]]
 
     def full_params(self) -> dict[str, torch.Tensor]:
         """Gathered parameters by HF name."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from molt_core import cluster
+from molt_core.advantage import training_batch
 from molt_core.config import Config
 from molt_core.generator import Generator, version_lag_metrics
 from molt_core.metrics import MetricsSink
@@ -48,19 +50,16 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                     groups = impl.function(**{k: kw[k] for k in impl.argnames}) or groups
                 trajs = [t for g in groups for t in g]
                 rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-                group_index = torch.tensor([t.group_id for t in trajs])
-                adv = estimator(rewards, group_index, **cfg.algorithm.estimator_args)
-                # A segment is its own training row (it never attends to another segment's
-                # tokens) carrying its rollout's advantage.
-                rows = [(s, float(a)) for t, a in zip(trajs, adv) for s in t.split_segments()]
-                batch = collate([s for s, _ in rows], [[a] * len(s) for s, a in rows],
-                                pad_id=tokenizer.pad_token_id or 0)
+                batch, adv, adv_metrics = training_batch(trajs, estimator, alg, policy,
+                                                         cfg.sampling.temperature,
+                                                         tokenizer.pad_token_id or 0)
                 t1 = time.perf_counter()
                 metrics = policy.train(batch, loss_fn, alg.loss_args, alg.loss_agg,
                                        cfg.sampling.temperature, alg.correction,
-                                       alg.correction_args, version)
+                                       alg.correction_args, version, asdict(alg.terms))
                 t2 = time.perf_counter()
-                metrics.update(rollout_metrics(trajs, rewards, adv, version), **generator.counters)
+                metrics.update(rollout_metrics(trajs, rewards, adv, version), **adv_metrics,
+                               **generator.counters)
                 version = scheme.after_train(step)
                 t3 = time.perf_counter()
                 if consistency_due(cfg, step) and not metrics.get("mismatch/on_policy_fraction"):

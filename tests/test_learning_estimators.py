@@ -9,7 +9,7 @@ from molt_core.trainer import train
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plugin", ["dapo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "cispo"])
+@pytest.mark.parametrize("plugin", ["dapo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "cispo", "ppo"])
 def test_estimator_learns_toy(ray_local, tiny_chars_dir, tmp_path, plugin):
     cfg, plugins = load("recipes/cpu/next_letter.yaml",
                         [f"model.path={tiny_chars_dir}", "trainer.steps=150"], [plugin])

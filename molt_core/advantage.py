@@ -1,0 +1,70 @@
+"""A step's training rows and their advantages: the seam between estimators and the trainer.
+
+Two estimator contracts (see `hookspecs.molt_estimators`):
+- per rollout (default): `fn(rewards[R], group_index[R], **kw) -> advantages[R]`, broadcast to the
+  rollout's tokens;
+- per token, declared by `fn.needs_values = True` (PPO): the trainer asks the policy's critic for
+  values [B, T] before the update and calls `fn(token_rewards, values, mask, group_index, **kw) ->
+  (advantages, returns)`, all [B, T] over training rows; `returns` train the critic.
+Token rewards: a row's rollout reward sits at its last trainable token (every segment of a
+multi-segment rollout ends with it, as every estimator broadcasts it to each segment).
+`algorithm.terms.kl_in: reward` subtracts kl_coef * kl_t (behavior vs reference log-probs) from
+the token rewards; a per-rollout estimator sees the rollout's reward minus its summed penalty.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from molt_core.algos import kl_estimate, masked_mean
+from molt_core.config import AlgorithmConfig
+from molt_core.trajectory import Trajectory, collate
+
+__all__ = ["needs_values", "training_batch"]
+
+
+def needs_values(estimator: Callable) -> bool:
+    return bool(getattr(estimator, "needs_values", False))
+
+
+def training_batch(trajs: list[Trajectory], estimator: Callable, alg: AlgorithmConfig,
+                   policy: Any, temperature: float, pad_id: int
+                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, float]]:
+    """Collate one row per segment (a segment never attends to another) with `advantages` (and
+    `returns`, `old_values` for per-token estimators). Returns the batch, the advantages of the
+    estimator's units (rollouts, or trainable tokens) and metrics."""
+    rows = [(s, i) for i, t in enumerate(trajs) for s in t.split_segments()]
+    batch = collate([s for s, _ in rows], [[0.0] * len(s) for s, _ in rows], pad_id=pad_id)
+    traj_of = torch.tensor([i for _, i in rows])                           # [B]
+    mask = batch["loss_mask"]
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    group_index = torch.tensor([t.group_id for t in trajs])
+    metrics: dict[str, float] = {}
+    kl = torch.zeros(mask.shape)
+    terms = alg.terms
+    if terms.kl_coef > 0 and terms.kl_in == "reward":
+        ref = policy.ref_logprobs(batch, temperature)
+        kl = kl_estimate(batch["behavior_logprobs"], ref, terms.kl_estimator) * mask
+        metrics["kl"] = masked_mean(kl, mask).item()
+    if not needs_values(estimator):
+        penalty = torch.zeros(len(trajs)).index_add_(0, traj_of, kl.sum(-1))
+        adv = estimator(rewards - terms.kl_coef * penalty, group_index, **alg.estimator_args)
+        batch["advantages"] = adv[traj_of][:, None] * batch["attention_mask"]
+        return batch, adv, metrics
+    token_rewards = -terms.kl_coef * kl
+    has = mask.any(-1)
+    last = mask.shape[1] - 1 - mask.flip(-1).int().argmax(-1)              # last trainable t
+    token_rewards[has, last[has]] += rewards[traj_of][has]
+    values = policy.values(batch)
+    adv, returns = estimator(token_rewards, values, mask, group_index[traj_of],
+                             **alg.estimator_args)
+    batch.update(advantages=adv * mask, returns=returns * mask, old_values=values)
+    # 1 - Var(R - V) / Var(R): how much of the returns the critic explains (1 is perfect)
+    var = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    resid = returns - values
+    var_resid = masked_mean((resid - masked_mean(resid, mask)) ** 2, mask)
+    metrics.update({"value/mean": masked_mean(values, mask).item(),
+                    "value/explained_variance": (1 - var_resid / var.clamp(min=1e-8)).item()})
+    return batch, adv[mask], metrics
