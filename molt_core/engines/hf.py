@@ -66,7 +66,7 @@ class HFEngine:
         self.model = multimodal.load_model(model_path, getattr(torch, dtype)).to(self.device).eval()
         self.model.requires_grad_(False)
         config = AutoConfig.from_pretrained(model_path)
-        self._vl = multimodal.is_vl(config)
+        self._image_id = config.image_token_id if multimodal.is_vl(config) else None
         self._banned = multimodal.vision_token_ids(config)    # never sampled
         config = config.get_text_config()
         self.max_positions: int = config.max_position_embeddings
@@ -98,8 +98,14 @@ class HFEngine:
         """Sample a completion; `sampling` gives every key of SAMPLING_KEYS (+ stop_token_ids);
         `images`: those whose placeholder tokens are in the prompt (VL models)."""
         sampling, stop = check_sampling(sampling)
-        if images and not self._vl:
+        if images and self._image_id is None:
             raise ValueError("this engine's model takes no images (not a VL checkpoint)")
+        if self._image_id is not None:      # checked here: a bad request must not fail its wave
+            images = images or []
+            n, want = prompt_ids.count(self._image_id), sum(im.num_tokens for im in images)
+            if n != want:
+                raise ValueError(f"prompt has {n} image placeholder tokens but its "
+                                 f"{len(images)} images fill {want}")
         if not prompt_ids or len(prompt_ids) >= self.max_positions:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; it needs 1 to "
                              f"{self.max_positions - 1} (max_position_embeddings "
