@@ -91,6 +91,8 @@ class TrainerConfig:
     # token to; R3) | off (the trainer recomputes routing) | freeze_router (recompute; router
     # weights get no updates). Ignored for dense models.
     moe_routing: str = "replay"
+    # MoE: weight of the load-balancing loss (Switch Transformer; logged as moe/aux_loss). 0: off
+    moe_aux_loss_coef: float = 0.0
 
 
 @dataclass
@@ -283,6 +285,10 @@ def validate(cfg: Config) -> None:
         (t.weight_sync_transport in ("ray", "broadcast"),
          f"trainer.weight_sync_transport '{t.weight_sync_transport}' unknown; valid: ray, "
          "broadcast"),
+        (t.moe_aux_loss_coef >= 0, "trainer.moe_aux_loss_coef must be >= 0 (0: off)"),
+        (not (t.moe_aux_loss_coef > 0 and t.moe_routing == "freeze_router"),
+         "trainer.moe_aux_loss_coef > 0 has no effect with trainer.moe_routing=freeze_router "
+         "(the load-balancing loss only trains the router): set one of them differently"),
         (r.groups_per_step >= 1, "rollout.groups_per_step must be >= 1"),
         (r.group_size >= 1, "rollout.group_size must be >= 1"),
         (r.max_staleness >= 0, "rollout.max_staleness must be >= 0"),

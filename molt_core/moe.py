@@ -10,7 +10,11 @@ their order among the model's MoE blocks (dense layers are skipped).
   those experts are used instead of the router's own top-k; their weights come from the current
   router probabilities at those ids, so the router still gets gradients. Positions with the
   sentinel -1 route normally. The ids actually used by the last forward are kept in `.used`
-  (one [N, k] per layer): the engine records routing from it, with mode "off".
+  (one [N, k] per layer): the engine records routing from it, with mode "off". `.aux_loss(mask)`
+  is the Switch-Transformer load-balancing loss of that forward over the routing it used.
+
+`keep_router_fp32(model)`: router weights stay fp32 parameters whatever the model dtype (their
+  small logit differences decide the top-k; bf16 flips choices and loses small updates).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-__all__ = ["MOE_ROUTING", "is_moe", "moe_gates", "routing"]
+__all__ = ["MOE_ROUTING", "is_moe", "keep_router_fp32", "moe_gates", "routing"]
 
 MOE_ROUTING = ("replay", "off", "freeze_router")
 
@@ -41,13 +45,34 @@ def is_moe(model: torch.nn.Module) -> bool:
     return bool(moe_gates(model))
 
 
+def keep_router_fp32(model: torch.nn.Module) -> None:
+    for gate in moe_gates(model):
+        gate.float()
+
+
 class _Routing:
     def __init__(self, n_layers: int) -> None:
         self.used: list[torch.Tensor | None] = [None] * n_layers
+        self.probs: list[torch.Tensor | None] = [None] * n_layers     # [N, E] fp32 per layer
 
     def ids(self) -> torch.Tensor:
         """[N, L, k] expert ids the last forward used (N = its flattened positions)."""
         return torch.stack(self.used, dim=1)
+
+    def aux_loss(self, mask: torch.Tensor) -> torch.Tensor:
+        """Load-balancing loss over positions where `mask` [N] holds, averaged over layers:
+        E * sum_e f_e * P_e, f_e = share of top-k slots routed to expert e (the ids used, so
+        replayed ones under replay), P_e = mean router probability of e (Switch Transformer eq.
+        4-6; the value of transformers' `load_balancing_loss_func` when nothing is replayed)."""
+        m = mask.reshape(-1).to(self.probs[0].device, torch.float32)
+        E = self.probs[0].shape[-1]
+        f = torch.zeros(E, device=m.device)
+        p = torch.zeros(E, device=m.device)
+        for probs, idx in zip(self.probs, self.used):
+            f = f.scatter_add(0, idx.reshape(-1), m.repeat_interleave(idx.shape[-1]))
+            p = p + (probs * m[:, None]).sum(0)
+        rows = m.sum().clamp(min=1) * len(self.probs)
+        return E * ((f / rows) * (p / rows)).sum()
 
 
 @contextlib.contextmanager
@@ -90,6 +115,6 @@ def _gate_forward(gate: torch.nn.Module, replay: torch.Tensor | None, state: _Ro
         top = probs.gather(-1, idx)
         if getattr(gate, "norm_topk_prob", True):
             top = top / top.sum(-1, keepdim=True)
-        state.used[layer] = idx.detach()
+        state.used[layer], state.probs[layer] = idx.detach(), probs
         return logits.to(hidden.dtype), top.to(hidden.dtype), idx
     return forward

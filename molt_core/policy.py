@@ -38,7 +38,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    loss_mask: torch.Tensor, temperature: float, chunk: int,
                    routed_experts: torch.Tensor | None = None, moe_routing: str = "replay",
-                   routing_out: list | None = None,
+                   moe_out: dict | None = None,
                    images: tuple[torch.Tensor, torch.Tensor] | None = None,
                    extras: dict | None = None,
                    value_head: torch.nn.Module | None = None) -> torch.Tensor:
@@ -47,8 +47,9 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     Only trainable positions go through `lm_head`, `chunk` tokens at a time; with grad enabled each
     chunk is recomputed in backward, so peak memory is [chunk, vocab] rather than [tokens, vocab].
     MoE models: `routed_experts` [b, T, layers, k] (-1 = none) is the engine's routing, replayed
-    when `moe_routing` is "replay" (see `molt_core.moe.routing`); `routing_out` receives the
-    [b, T, layers, k] expert ids the forward used.
+    when `moe_routing` is "replay" (see `molt_core.moe.routing`); `moe_out` receives "ids", the
+    [b, T, layers, k] expert ids the forward used, and "aux_loss", the load-balancing loss over
+    the attended tokens of rows with a trainable token (`moe.routing(...).aux_loss`).
     VL models: `images` is the rows' (pixel_values [b, P, D], image_grid_thw [b, I, 3]) from
     `collate`, fed with the engine's mRoPE positions; vision tokens are masked as in the engine.
     `extras` (a dict) receives "entropy" [b, T], the entropy of the same temperature-scaled
@@ -62,8 +63,10 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     with moe.routing(model, routed_experts, moe_routing) as routing:
         hidden = model.model(input_ids=input_ids, attention_mask=attention_mask,
                              use_cache=False, **extra).last_hidden_state         # [b, T, H]
-    if routing_out is not None and routing.used:
-        routing_out.append(routing.ids().view(*input_ids.shape, *routing.ids().shape[1:]))
+    if moe_out is not None and routing.used:
+        moe_out["ids"] = routing.ids().view(*input_ids.shape, *routing.ids().shape[1:])
+        moe_out["aux_loss"] = routing.aux_loss(attention_mask.bool()
+                                               & loss_mask.any(-1, keepdim=True))
     rows, cols = loss_mask[:, 1:].nonzero(as_tuple=True)    # hidden[:, t] predicts token t+1
     h, targets = hidden[rows, cols], input_ids[rows, cols + 1]                   # [N, H], [N]
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=hidden.device)
@@ -115,9 +118,6 @@ class PolicyWorker:
         self.grad_scale = world_size
         model = self._build_model(model_path, _DTYPES[dtype])
         self.moe = moe.is_moe(model)
-        if self.moe and trainer["moe_routing"] == "freeze_router":
-            for gate in moe.moe_gates(model):
-                gate.requires_grad_(False)
         # The root owns embed/norm/lm_head: gathered only inside a registered forward method.
         model.molt_token_logprobs = functools.partial(token_logprobs, model)
         register_fsdp_forward_method(model, "molt_token_logprobs")
@@ -136,6 +136,10 @@ class PolicyWorker:
         model = multimodal.load_model(model_path, dtype).to(self.device)
         offload = (CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
                    if self.cfg["optimizer_offload"] else OffloadPolicy())
+        moe.keep_router_fp32(model)
+        for gate in moe.moe_gates(model):    # own group: fp32 among the layer's bf16 params
+            gate.requires_grad_(self.cfg["moe_routing"] != "freeze_router")
+            fully_shard(gate, mesh=mesh, offload_policy=offload)
         for layer in multimodal.decoder_layers(model):
             fully_shard(layer, mesh=mesh, offload_policy=offload)
         fully_shard(model, mesh=mesh, offload_policy=offload)
@@ -157,12 +161,12 @@ class PolicyWorker:
         return mbs
 
     def _logprobs(self, mb: dict[str, torch.Tensor], temperature: float,
-                  routing_out: list | None = None, extras: dict | None = None,
+                  moe_out: dict | None = None, extras: dict | None = None,
                   value_head: torch.nn.Module | None = None, model: Any = None) -> torch.Tensor:
         return (model or self.model).molt_token_logprobs(
             mb["input_ids"], mb["attention_mask"], mb["loss_mask"], temperature,
             self.cfg["logprob_chunk"], mb.get("routed_experts"), self.cfg["moe_routing"],
-            routing_out, _images(mb), extras, value_head)
+            moe_out, _images(mb), extras, value_head)
 
     def _reference(self) -> Any:
         """pi_ref for the KL term: the initial weights, frozen, built and sharded like the policy
@@ -210,9 +214,9 @@ class PolicyWorker:
             self.critic_group["lr"] = terms.get("value_lr") or self.cfg["lr"]
         for mb in self._micro_batches(batch):
             mask = mb["loss_mask"]
-            used: list[torch.Tensor] = []
+            moe_out: dict[str, torch.Tensor] = {}
             extras: dict[str, torch.Tensor] = {}
-            lp = self._logprobs(mb, temperature, used, extras, critic)
+            lp = self._logprobs(mb, temperature, moe_out, extras, critic)
             behavior = mb["behavior_logprobs"]
             if correction == "none":
                 per_token, metrics = loss_fn(lp, behavior, mb["advantages"], mask, **loss_args)
@@ -232,6 +236,11 @@ class PolicyWorker:
                 **{k: v for k, v in terms.items() if k not in ("kl_in", "value_lr")})
             per_token, metrics = per_token + add, {**metrics, **term_metrics}
             loss = aggregate(per_token, mask, loss_agg, num_tokens, num_seqs)
+            rows = float(mask.any(-1).sum())
+            if moe_out and self.cfg["moe_aux_loss_coef"] > 0:
+                # this micro-batch's share of the step's sequences: the sum is their mean
+                loss = loss + self.cfg["moe_aux_loss_coef"] * moe_out["aux_loss"] * (
+                    rows / max(num_seqs, 1))
             # FSDP2 averages grads over ranks; x grad_scale makes the step's grad sum/global count.
             (loss * self.grad_scale).backward()
             loss_total += float(loss.detach())
@@ -245,13 +254,16 @@ class PolicyWorker:
                 named = {"mismatch/kl": (k3, n_tok), "mismatch_kl": (k3, n_tok),
                          "mismatch/on_policy_fraction": (float(on_policy.sum()), n_tok)}
                 rec = mb.get("routed_experts")
-                if used and rec is not None:
+                if moe_out and rec is not None:
                     # Share of recorded (token, layer) routings the trainer's forward used as is:
                     # 1.0 under replay; with replay off, how often trainer and engine agree.
+                    used = moe_out["ids"]
                     has = (rec >= 0).all(-1) & mb["attention_mask"][..., None]   # [b, T, L]
-                    same = (used[0].sort(-1).values == rec.sort(-1).values.to(used[0])).all(-1)
+                    same = (used.sort(-1).values == rec.sort(-1).values.to(used)).all(-1)
                     named["moe/routing_agreement"] = (float((same & has).sum()),
                                                       float(has.sum()))
+                if moe_out:
+                    named["moe/aux_loss"] = (float(moe_out["aux_loss"]) * rows, rows)
                 for k, v in metrics.items():
                     v = v.detach()
                     named[k] = ((float((v * mask).sum()), n_tok) if v.shape == mask.shape
@@ -287,11 +299,11 @@ class PolicyWorker:
         ids: torch.Tensor | None = None
         s = 0
         for mb in self._micro_batches(batch):
-            used: list[torch.Tensor] = []
-            lp = self._logprobs(mb, temperature, used).cpu()
+            moe_out: dict[str, torch.Tensor] = {}
+            lp = self._logprobs(mb, temperature, moe_out).cpu()
             out[s:s + lp.shape[0], :lp.shape[1]] = lp
-            if with_routing and used:
-                u = used[0].cpu().to(torch.int32)
+            if with_routing and moe_out:
+                u = moe_out["ids"].cpu().to(torch.int32)
                 if ids is None:
                     ids = torch.full((B, T, *u.shape[2:]), -1, dtype=torch.int32)
                 ids[s:s + u.shape[0], :u.shape[1]] = u

@@ -31,6 +31,9 @@ class Completion:
     # MoE engines: [n_tokens][n_moe_layers][top_k] expert ids each token was routed to when it
     # was fed to the model (-1 rows: never fed, e.g. the last sampled token); None for dense.
     routed_experts: list[list[list[int]]] | None = None
+    # MoE engines: the same for each prompt token (the prompt is the trajectory's tail when the
+    # completion is added: `add_completion` writes it over that tail); None for dense.
+    prompt_routed_experts: list[list[list[int]]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -70,8 +73,10 @@ class Trajectory:
     turn_rewards: list[float] | None = None
     truncated: bool = False
     info: dict[str, Any] = field(default_factory=dict)
-    # MoE routing replay: per token [n_moe_layers][top_k] expert ids, -1 rows where the engine
-    # recorded none (prompt/env tokens); None until a completion carrying routing is added.
+    # MoE routing replay: per token [n_moe_layers][top_k] expert ids as the engine routed it when
+    # it was last fed to the model (prompt and env tokens too, via the next completion's
+    # `prompt_routed_experts`); -1 rows where none was recorded (the final token); None until a
+    # completion carrying routing is added.
     routed_experts: list[list[list[int]]] | None = None
     images: list[ImageInput] = field(default_factory=list)   # in order of their placeholders
 
@@ -95,6 +100,14 @@ class Trajectory:
         if c.routed_experts is not None and c.routed_experts:
             if self.routed_experts is None:
                 self.routed_experts = [_sentinel(c.routed_experts[0])] * len(self.token_ids)
+            if c.prompt_routed_experts:
+                # The prompt was our tail (a segment's tokens so far): the routing the engine's
+                # KV cache for it was built with, replacing any recorded when sampled earlier.
+                p = len(c.prompt_routed_experts)
+                if p > len(self.token_ids):
+                    raise InvariantError(f"completion carries routing for {p} prompt tokens but "
+                                         f"the trajectory has only {len(self.token_ids)}")
+                self.routed_experts[len(self.token_ids) - p:] = c.prompt_routed_experts
             self.routed_experts += c.routed_experts
         elif self.routed_experts is not None:
             self.routed_experts += [_sentinel(self.routed_experts[0])] * len(c.token_ids)

@@ -47,17 +47,36 @@ def perturbed_moe_dir(moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     return out
 
 
+ENV_REPLY = [7, 8, 9]                  # tokens an environment appends between the two turns
+
+
 def rollout(engine, n: int = len(PROMPTS)) -> tuple[list[Trajectory], dict]:
-    outs = ray.get([engine.generate.remote(p, SAMPLING) for p in PROMPTS[:n]], timeout=120)
+    """Two turns per trajectory: prompt, completion, env tokens, completion (prompt = all so
+    far), as the gym agent does."""
     trajs = []
-    for p, c in zip(PROMPTS, outs):
+    for p in PROMPTS[:n]:
         t = Trajectory()
         t.add_prompt(p)
-        t.add_completion(c)
-        t.check()
         trajs.append(t)
+    for turn in range(2):
+        outs = ray.get([engine.generate.remote(t.token_ids, SAMPLING) for t in trajs], timeout=120)
+        for t, c in zip(trajs, outs):
+            t.add_completion(c)
+            if turn == 0:
+                t.add_prompt(ENV_REPLY)
+    for t in trajs:
+        t.check()
     adv = torch.randn(len(trajs))
     return trajs, collate(trajs, [[float(a)] * len(t) for a, t in zip(adv, trajs)])
+
+
+def fed_positions(batch: dict) -> torch.Tensor:
+    """[B, T] True where a token was fed to the engine: every real token but each row's last."""
+    att = batch["attention_mask"]
+    last = att.sum(-1) - 1
+    fed = att.clone()
+    fed[torch.arange(len(att)), last] = False
+    return fed
 
 
 def test_engine_records_routing(moe_dir):
@@ -65,8 +84,10 @@ def test_engine_records_routing(moe_dir):
 
     async def go():
         return await asyncio.gather(*(engine.generate(p, SAMPLING) for p in PROMPTS[:4]))
-    for c in asyncio.run(go()):
+    for p, c in zip(PROMPTS, asyncio.run(go())):
         assert len(c.routed_experts) == len(c.token_ids)
+        prompt_rows = torch.tensor(c.prompt_routed_experts)             # [len(p), 2, 2]
+        assert prompt_rows.shape == (len(p), 2, 2) and (prompt_rows >= 0).all()
         rows = torch.tensor(c.routed_experts)                          # [n, layers=2, k=2]
         assert rows.shape[1:] == (2, 2)
         assert (rows[-1] == -1).all()              # the last token was never fed to the model
@@ -97,12 +118,12 @@ def test_routing_survives_mid_wave_weight_update(moe_dir):
     for p, c in zip(PROMPTS, outs):
         assert {0, 1} >= set(c.versions) and len(c.routed_experts) == len(c.token_ids)
         ids = torch.tensor([p + c.token_ids])
-        used: list[torch.Tensor] = []
+        used: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             token_logprobs(model, ids, torch.ones_like(ids), torch.ones_like(ids).bool(), 1.0,
                            64, None, "off", used)
-        expect = used[0][0, len(p):-1].sort(-1).values
-        got = torch.tensor(c.routed_experts[:-1]).sort(-1).values
+        expect = used["ids"][0, :-1].sort(-1).values
+        got = torch.tensor(c.prompt_routed_experts + c.routed_experts[:-1]).sort(-1).values
         assert torch.equal(got, expect.to(got))
 
 
@@ -115,6 +136,17 @@ def test_trajectory_carries_routing():
     t.add_completion(Completion([6], [-0.3], [0], "stop", [[[2, 3]]]))
     t.check()
     assert t.routed_experts == [[[-1, -1]]] * 2 + [[[0, 1]], [[-1, -1]], [[-1, -1]], [[2, 3]]]
+    # Prompt routing is written over the trajectory's tail (the prompt the engine was given).
+    m = Trajectory()
+    m.add_prompt([1, 2])
+    m.add_completion(Completion([3, 4], [-0.1, -0.2], [0, 0], "stop", [[[0, 1]], [[-1, -1]]],
+                                [[[1, 2]], [[2, 3]]]))
+    m.add_prompt([5])
+    m.add_completion(Completion([6], [-0.3], [0], "stop", [[[-1, -1]]],
+                                [[[0, 2]], [[1, 3]], [[0, 3]]]))   # prompt [3, 4, 5]: the tail
+    assert m.routed_experts == [[[1, 2]], [[2, 3]], [[0, 2]], [[1, 3]], [[0, 3]], [[-1, -1]]]
+    with pytest.raises(InvariantError, match="prompt tokens"):
+        m.add_completion(Completion([7], [-0.1], [0], "stop", [[[-1, -1]]], [[[0, 1]]] * 9))
     a, b = t.split_segments()
     assert b.routed_experts == [[[2, 3]]] and len(a.routed_experts) == len(a)
     dense = Trajectory()
@@ -138,7 +170,8 @@ def test_replay_matches_engine(ray_local, moe_dir):
         _, batch = rollout(engine)
         rec = batch["routed_experts"]
         has = (rec >= 0).all(-1)
-        assert has.sum() > 0
+        # routing recorded at every fed position: prompt, env and sampled tokens alike
+        assert torch.equal(has.all(-1), fed_positions(batch).bool())
         lp, used = policy.logprobs(batch, with_routing=True)
         gap = (lp - batch["behavior_logprobs"]).abs()[batch["loss_mask"]]
         assert gap.max().item() < 1e-4, gap.max()
@@ -225,3 +258,93 @@ def test_next_letter_moe_learns(ray_local, tmp_path):
     print(f"next_letter (MoE): mean reward first 5 steps {start:.3f}, last 20 steps {end:.3f}")
     assert start <= 0.2
     assert end >= 0.7
+
+
+def test_replay_covers_context_tokens(moe_dir, perturbed_moe_dir):
+    """An engine whose router differs a little from the trainer's: with replay the trainer's
+    forward uses the engine's experts at every fed position, prompt and env tokens included;
+    recomputing (off) routes some of those context positions elsewhere."""
+    from molt_core.policy import token_logprobs
+
+    engine = HFEngine(str(perturbed_moe_dir), seed=5)
+    trajs = [Trajectory() for _ in PROMPTS]
+
+    async def go():
+        for t, p in zip(trajs, PROMPTS):
+            t.add_prompt(p)
+        for turn in range(2):
+            outs = await asyncio.gather(*(engine.generate(t.token_ids, SAMPLING) for t in trajs))
+            for t, c in zip(trajs, outs):
+                t.add_completion(c)
+                if turn == 0:
+                    t.add_prompt(ENV_REPLY)
+    asyncio.run(go())
+    batch = collate(trajs, [[0.0] * len(t) for t in trajs])
+    rec, fed = batch["routed_experts"].long(), fed_positions(batch).bool()
+    context = fed & ~batch["loss_mask"]                 # prompt + env tokens fed to the engine
+    model = AutoModelForCausalLM.from_pretrained(moe_dir)
+    used = {}
+    for mode in ("replay", "off"):
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
+                           1.0, 64, rec, mode, out)
+        used[mode] = out["ids"]
+    same = {m: (u.sort(-1).values == rec.sort(-1).values).all(-1).all(-1) for m, u in used.items()}
+    assert same["replay"][fed].all()
+    assert not same["off"][context].all()
+
+
+def test_aux_loss_matches_transformers(moe_dir):
+    """Routing off, the aux loss equals transformers' load_balancing_loss_func (as Qwen3-MoE's
+    forward computes it); replaying other experts changes it."""
+    from molt_core.policy import token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(moe_dir)
+    ids = torch.tensor([[5, 9, 11, 40, 12, 13], [6, 9, 12, 0, 0, 0]])
+    att = torch.tensor([[1] * 6, [1] * 3 + [0] * 3])
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=att, output_router_logits=True).aux_loss
+        out: dict[str, torch.Tensor] = {}
+        token_logprobs(model, ids, att, att.bool(), 1.0, 64, None, "off", out)
+        assert abs(float(out["aux_loss"]) - float(ref)) < 1e-5, (out["aux_loss"], ref)
+        # Replayed ids count, not the router's own top-k: all to experts {0, 1} (layer 0 probs
+        # are the same as above; layer 1 sees other hidden states)
+        token_logprobs(model, ids, att, att.bool(), 1.0, 64,
+                       torch.tensor([0, 1]).expand(2, 6, 2, 2), "replay", out)
+        assert (out["ids"][att.bool()].sort(-1).values == torch.tensor([0, 1])).all()
+        assert abs(float(out["aux_loss"]) - float(ref)) > 1e-3
+    # The formula on a hand-made routing: 2 tokens (one masked out), 1 layer, E = 4, k = 2
+    from molt_core.moe import _Routing
+    state = _Routing(1)
+    state.probs = [torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.1, 0.1, 0.1, 0.7]])]
+    state.used = [torch.tensor([[2, 3], [0, 3]])]
+    # f = (0, 0, 1, 1), P = (0.4, 0.3, 0.2, 0.1): 4 * (0.2 + 0.1)
+    assert abs(float(state.aux_loss(torch.tensor([True, False]))) - 1.2) < 1e-6
+
+
+def test_bf16_router_stays_fp32_and_aux_loss_trains(ray_local, moe_dir):
+    """bf16 model: routers stay fp32 in trainer and engine, weight sync keeps each dtype; with
+    zero advantages only the aux loss moves the weights, and it goes down."""
+    policy = Policy(str(moe_dir), dataclasses.replace(TrainerConfig(), num_ranks=2, lr=3e-2,
+                                                      moe_aux_loss_coef=1.0),
+                    dtype="bfloat16", seed=0)
+    engine = ray.remote(HFEngine).options(num_cpus=0).remote(str(moe_dir), dtype="bfloat16",
+                                                             seed=3)
+    try:
+        trajs, _ = rollout(engine, 6)
+        batch = collate(trajs, [[0.0] * len(t) for t in trajs])
+        params = policy.full_params()
+        gates = [n for n in params if n.endswith("mlp.gate.weight")]
+        assert gates and all(params[n].dtype == torch.float32 for n in gates)
+        assert params["model.layers.0.mlp.experts.gate_up_proj"].dtype == torch.bfloat16
+        aux = [policy.train(batch, ppo_clip_loss, {}, "token-mean", 1.0)["moe/aux_loss"]
+               for _ in range(4)]
+        assert aux[-1] < aux[0] - 1e-3, aux
+        after = policy.full_params()
+        assert not all(torch.equal(params[n], after[n]) for n in gates)
+        policy.push_weights([engine], 1)                    # dtype-checked by the engine
+        assert ray.get(engine.get_version.remote(), timeout=60) == 1
+    finally:
+        policy.shutdown()
+        ray.kill(engine)

@@ -17,9 +17,10 @@ tokens are masked from sampling (the trainer masks them identically).
 
 MoE models (routing replay, R3): every forward runs the routers in fp32 (`molt_core.moe`) and each
 completion carries `routed_experts`, the top-k experts every generated token was routed to when it
-was fed to the model (the last token is never fed: sentinel -1 row; a re-prefill after a weight
-update overwrites earlier tokens' routing with the one their new KV cache was built from). Prompt
-tokens' routing is not recorded: the trainer recomputes it.
+was fed to the model (the last token is never fed: sentinel -1 row), and `prompt_routed_experts`,
+the same for every prompt token (so the trainer replays routing at every position, context
+included). A re-prefill after a weight update overwrites both with the routing the new KV cache
+was built from.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     routed: list[list[list[int]] | None] = field(default_factory=list)  # MoE: per token
+    prompt_routed: list[list[list[int]]] | None = None                   # MoE: per prompt token
     finish_reason: str | None = None
 
     def key(self) -> tuple:
@@ -65,6 +67,7 @@ class HFEngine:
         self.device = torch.device(device)
         self.model = multimodal.load_model(model_path, getattr(torch, dtype)).to(self.device).eval()
         self.model.requires_grad_(False)
+        moe.keep_router_fp32(self.model)      # as the trainer: weight updates keep each dtype
         config = AutoConfig.from_pretrained(model_path)
         self._image_id = config.image_token_id if multimodal.is_vl(config) else None
         self._banned = multimodal.vision_token_ids(config)    # never sampled
@@ -260,11 +263,10 @@ class HFEngine:
                     return
                 logits, cache, mask, pos, seen, routed = self._prefill(rows)
                 epoch = self._weights_epoch
-                if routed is not None:   # [B, L, layers, k]: each token fed so far
-                    width = routed.shape[1]
+                if routed is not None:   # [B, L, layers, k]: each token fed so far (left pad)
                     for i, r in enumerate(rows):
-                        start = width - len(r.tokens)
-                        r.routed = routed[i, start:].tolist() if r.tokens else []
+                        seq = routed[i, routed.shape[1] - len(r.prompt) - len(r.tokens):].tolist()
+                        r.prompt_routed, r.routed = seq[:len(r.prompt)], seq[len(r.prompt):]
             else:
                 logits, routed = self._step(next_ids, cache, mask, pos)
                 self._stats["decode_steps"] += 1
@@ -294,7 +296,7 @@ class HFEngine:
                     routed = None if self._moe_sentinel is None else [
                         x if x is not None else self._moe_sentinel for x in r.routed]
                     r.future.set_result(Completion(r.tokens, r.logprobs, r.versions,
-                                                   r.finish_reason, routed))
+                                                   r.finish_reason, routed, r.prompt_routed))
             if all(r.finish_reason is not None for r in rows):
                 return
             # Finished rows keep decoding a pad token (ignored) so the batch shape stays fixed.
