@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 __all__ = ["CORRECTIONS", "aggregate", "clipped_surrogate", "entropy_from_logits", "group_stats",
-           "is_correction", "kl_estimate", "loss_terms", "masked_mean", "masked_whiten", "value_loss"]
+           "is_correction", "kl_estimate", "loss_terms", "masked_mean", "masked_whiten",
+           "value_loss"]
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

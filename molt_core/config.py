@@ -413,7 +413,8 @@ def _validate_correction(cfg: Config) -> None:
 
 def _validate_terms(t: LossTermsConfig) -> None:
     if t.kl_estimator not in ("k1", "k2", "k3"):
-        raise ConfigError(f"algorithm.terms.kl_estimator '{t.kl_estimator}' unknown; valid: k1, k2, k3")
+        raise ConfigError(f"algorithm.terms.kl_estimator '{t.kl_estimator}' unknown; "
+                          "valid: k1, k2, k3")
     if t.kl_in not in ("loss", "reward"):
         raise ConfigError(f"algorithm.terms.kl_in '{t.kl_in}' unknown; valid: loss, reward")
     negative = [k for k in ("kl_coef", "entropy_coef", "value_coef", "value_clip", "value_lr")

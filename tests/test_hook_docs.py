@@ -32,7 +32,8 @@ def test_every_hook_has_a_documented_section():
 def test_every_hook_has_a_test():
     """A hook is exercised by some test: its name appears in a test file (tests/ or a plugin's)."""
     root = Path(__file__).parents[1]
-    files = [p for p in [*root.glob("tests/**/test_*.py"), *root.glob("plugins/*/*/tests/test_*.py")]
+    files = [p for p in [*root.glob("tests/**/test_*.py"),
+                         *root.glob("plugins/*/*/tests/test_*.py")]
              if p.resolve() != Path(__file__).resolve()]
     text = "\n".join(p.read_text() for p in files)
     untested = sorted(h for h in _hooks() if not re.search(rf"\b{h}\b", text))

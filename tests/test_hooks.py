@@ -127,4 +127,4 @@ def test_molt_config_sections_parse_typed_plugin_options(mine, tiny_recipe):
 def test_molt_chat_agents_register_agents_for_the_chat_runner(mine):
     plugins = build_plugins([mine])
     assert plugins.get("chat_agent", "greeter")(greeting="hey").greeting == "hey"
-    assert "calculator" in plugins.registry["chat_agent"]               # shipped with molt-agent-chat
+    assert "calculator" in plugins.registry["chat_agent"]        # shipped with molt-agent-chat

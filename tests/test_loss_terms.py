@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import ray
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from molt_core.advantage import training_batch
 from molt_core.algos import entropy_from_logits, kl_estimate, loss_terms
@@ -212,3 +212,18 @@ def test_kl_as_reward_penalty_and_token_level_estimators(policies):
     torch.testing.assert_close(batch["returns"], (want + seen["values"]) * mask)
     assert torch.equal(batch["old_values"], seen["values"]) and torch.equal(adv, 2 * want[mask])
     assert {"value/mean", "value/explained_variance", "kl"} <= metrics.keys()
+
+
+def test_training_loop_reports_kl_and_entropy_from_the_recipe(ray_local, tiny_chars_dir):
+    from molt_core.cli import load
+    from molt_core.trainer import train
+
+    cfg, plugins = load("recipes/cpu/next_letter.yaml", [
+        f"model.path={tiny_chars_dir}", "trainer.steps=4", "rollout.groups_per_step=4",
+        "algorithm.terms.kl_coef=0.1", "algorithm.terms.kl_estimator=k3",
+        "algorithm.terms.entropy_coef=0.01"])
+    history = train(cfg, plugins, None, progress=False)
+    assert history[0]["kl"] == 0.0                      # step 0: the policy is pi_ref
+    assert all(h["kl"] > 0 for h in history[1:])         # then it moves away, and KL says so
+    vocab = AutoConfig.from_pretrained(tiny_chars_dir).vocab_size
+    assert all(0 < h["entropy"] <= math.log(vocab) for h in history)
