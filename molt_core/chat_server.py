@@ -16,7 +16,7 @@ rollout's `generate(prompt_ids, sampling) -> Completion`, and records the sessio
   `stop_reason: "max_tokens"`), generates nothing, and marks the rollout truncated.
 
 Images (VL policies): OpenAI `image_url` content parts carrying base64 data URIs
-(`data:image/png;base64,...`) are decoded and rendered by the template as image placeholders; the
+(`data:image/png;base64,...`) and Anthropic base64 `image` blocks are decoded and rendered by the template as image placeholders; the
 images ride with the trajectory (`molt_core.multimodal`). Remote URLs are refused (400).
 
 Sampling is the run's (`sampling` given to `open_session`), never the request's: `temperature`,
@@ -282,6 +282,13 @@ def _anthropic_messages(body: dict, raw_args: dict[str, str]) -> tuple[list[dict
                     else b.get("input", {})
                 calls.append({"id": b.get("id"), "type": "function",
                               "function": {"name": b["name"], "arguments": args}})
+            elif kind == "image" and role == "user":
+                src = b.get("source") or {}
+                if src.get("type") != "base64":
+                    raise _RequestError(400, "image blocks must carry base64 data (source type "
+                                             "'base64'): fetching remote images is not supported")
+                text.append({"type": "image_url", "image_url": {
+                    "url": f"data:{src.get('media_type', 'image/png')};base64,{src.get('data')}"}})
             elif kind == "tool_result" and role == "user":
                 results.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
                                 "content": _text(b.get("content"))})
@@ -294,7 +301,8 @@ def _anthropic_messages(body: dict, raw_args: dict[str, str]) -> tuple[list[dict
                 msg["tool_calls"] = calls
             out.append(msg)
         elif text or not results:
-            out.append({"role": "user", "content": "".join(text)})
+            out.append({"role": "user", "content": _content(
+                [{"type": "text", "text": t} if isinstance(t, str) else t for t in text])})
     tools = [{"type": "function", "function": {"name": t["name"],
                                                 "description": t.get("description", ""),
                                                 "parameters": t.get("input_schema", {})}}

@@ -266,3 +266,38 @@ def test_engine_vllm_with_a_vl_checkpoint_is_rejected_with_the_reason(tiny_vl_di
     assert "use engine.name=hf" in msg and str(tiny_vl_dir) in msg
     assert "need torchvision" in msg and "libc10_cuda.so" in msg
     assert "['Qwen3VLForConditionalGeneration'] failed to be inspected" in msg
+
+
+def test_anthropic_sdk_base64_image_block(tiny_vl_dir, tok, engine):
+    import anthropic
+
+    from molt_core.chat_server import ChatServer
+
+    calls = []
+
+    async def generate(prompt_ids, sampling, images=None):
+        c = await engine.generate(prompt_ids, sampling, images)
+        calls.append((len(images or []), c.token_ids))
+        return c
+
+    async def main():
+        server = ChatServer()
+        await server.start()
+        s = server.open_session(tok, generate, SAMPLING, max_context=256)
+        client = anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key=s.api_key,
+                                          max_retries=0)
+        data = _data_uri((30, 200, 30)).partition(",")[2]
+        await client.messages.create(model="policy", max_tokens=4, messages=[{
+            "role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": data}},
+                {"type": "text", "text": "colour?"}]}])
+        await client.close()
+        traj = server.close_session(s)
+        await server.close()
+        return traj
+
+    traj = asyncio.run(main())
+    traj.check(len(tok))
+    assert [n for n, _ in calls] == [1] and len(traj.images) == 1
+    assert [x for x, m in zip(traj.token_ids, traj.loss_mask) if m] == calls[0][1]
