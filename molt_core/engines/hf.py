@@ -321,9 +321,9 @@ class HFEngine:
         extra = {}
         if any(r.images for r in rows):    # VL: patches + mRoPE positions [4, B, L]
             images = [im for r in rows for im in r.images]
-            extra = multimodal.model_inputs(
-                self.model, ids, mask, torch.cat([im.pixel_values for im in images]).to(self.device),
-                torch.tensor([im.grid_thw for im in images], device=self.device))
+            pixels = torch.cat([im.pixel_values for im in images]).to(self.device)
+            grid = torch.tensor([im.grid_thw for im in images], device=self.device)
+            extra = multimodal.model_inputs(self.model, ids, mask, pixels, grid)
             position_ids = extra.pop("position_ids")
         cache = DynamicCache(config=self.model.config)
         with moe.routing(self.model, mode="off") as routing:
