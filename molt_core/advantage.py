@@ -51,6 +51,7 @@ def training_batch(trajs: list[Trajectory], estimator: Callable, alg: AlgorithmC
     if not needs_values(estimator):
         penalty = torch.zeros(len(trajs)).index_add_(0, traj_of, kl.sum(-1))
         adv = estimator(rewards - terms.kl_coef * penalty, group_index, **alg.estimator_args)
+        _check_shapes(alg.estimator, [adv], rewards.shape, "advantages [R] (one per rollout)")
         batch["advantages"] = adv[traj_of][:, None] * batch["attention_mask"]
         return batch, adv, metrics
     token_rewards = -terms.kl_coef * kl
@@ -58,8 +59,10 @@ def training_batch(trajs: list[Trajectory], estimator: Callable, alg: AlgorithmC
     last = mask.shape[1] - 1 - mask.flip(-1).int().argmax(-1)              # last trainable t
     token_rewards[has, last[has]] += rewards[traj_of][has]
     values = policy.values(batch)
-    adv, returns = estimator(token_rewards, values, mask, group_index[traj_of],
-                             **alg.estimator_args)
+    out = estimator(token_rewards, values, mask, group_index[traj_of], **alg.estimator_args)
+    _check_shapes(alg.estimator, out if isinstance(out, tuple) else [out], mask.shape,
+                  "(advantages, returns), both [B, T] (needs_values)", 2)
+    adv, returns = out
     batch.update(advantages=adv * mask, returns=returns * mask, old_values=values)
     # 1 - Var(R - V) / Var(R): how much of the returns the critic explains (1 is perfect)
     var = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
@@ -68,3 +71,10 @@ def training_batch(trajs: list[Trajectory], estimator: Callable, alg: AlgorithmC
     metrics.update({"value/mean": masked_mean(values, mask).item(),
                     "value/explained_variance": (1 - var_resid / var.clamp(min=1e-8)).item()})
     return batch, adv[mask], metrics
+
+
+def _check_shapes(name: str, out: Any, shape: torch.Size, want: str, n: int = 1) -> None:
+    if len(out) != n or any(not isinstance(x, torch.Tensor) or x.shape != shape for x in out):
+        got = [tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in out]
+        raise ValueError(f"estimator '{name}' must return {want} of shape {tuple(shape)}; got "
+                         f"{got}")

@@ -154,8 +154,9 @@ def test_kl_to_the_initial_weights_is_reported_and_in_the_gradient(steps):
         lp, _, _ = full_forward(model, batch)
         kl = kl_estimate(lp, ref, "k2")
         (0.5 * kl.mean()).backward()
-        assert float(kl.mean()) > 1e-6                         # the policy has moved
-        assert r["kl"]["kl"] == pytest.approx(float(kl.mean()), rel=1e-4), name
+        mean = kl.detach().mean().item()
+        assert mean > 1e-6                                     # the policy has moved
+        assert r["kl"]["kl"] == pytest.approx(mean, rel=1e-4), name
         assert r["kl"]["grad_norm"] == pytest.approx(grad_norm(model), rel=1e-4), name
     assert out["one"]["kl"]["kl"] == pytest.approx(out["two"]["kl"]["kl"], rel=1e-5)
 
@@ -227,3 +228,22 @@ def test_training_loop_reports_kl_and_entropy_from_the_recipe(ray_local, tiny_ch
     assert all(h["kl"] > 0 for h in history[1:])         # then it moves away, and KL says so
     vocab = AutoConfig.from_pretrained(tiny_chars_dir).vocab_size
     assert all(0 < h["entropy"] <= math.log(vocab) for h in history)
+
+
+def test_estimator_outputs_of_the_wrong_shape_are_one_clear_error(policies):
+    _, made = policies
+    trajs = [_traj([5, 6], [8, 9], [-1.0, -2.0], 1.0, 0), _traj([5], [10], [-0.5], 0.0, 0)]
+    alg = AlgorithmConfig(estimator="bad")
+
+    def per_rollout(rewards, group_index):
+        return rewards[:, None]
+
+    def per_token(rewards, values, mask, group_index):
+        return rewards                                   # forgot the returns
+    per_token.needs_values = True
+    with pytest.raises(ValueError, match=r"estimator 'bad' must return advantages \[R\].*"
+                                         r"shape \(2,\); got \[\(2, 1\)\]"):
+        training_batch(trajs, per_rollout, alg, made["one"], 1.0, 0)
+    with pytest.raises(ValueError, match=r"'bad' must return \(advantages, returns\).*"
+                                         r"needs_values.*\(2, 4\); got \[\(2, 4\)\]"):
+        training_batch(trajs, per_token, alg, made["one"], 1.0, 0)
