@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from molt_core import moe
 from molt_core.policy import Policy, PolicyWorker
 
 __all__ = ["AUTOMODEL_MISSING", "AutoModelPolicy", "AutoModelWorker", "automodel_missing"]
@@ -72,11 +73,31 @@ class AutoModelWorker(PolicyWorker):
         # Grads are averaged over the data (and context) parallel ranks; tensor-parallel peers
         # hold the same rows and shards of one gradient.
         self.grad_scale = self.world_size // t["tp_size"]
+        for gate in moe.moe_gates(model):    # HF MoE layers (ep 1); AutoModel's own have none
+            gate.requires_grad_(t["moe_routing"] != "freeze_router")
+        self._mesh = setup.mesh_context
         self._adapter = getattr(model, "state_dict_adapter", None) if custom else None
         if hasattr(model, "set_reduce_scatter_unused_params"):   # as in PolicyWorker
             model.set_reduce_scatter_unused_params(True)
         _plain_outputs(model, custom)
         return model
+
+    def _clip_grads(self) -> float:
+        """AutoModel's step boundary: reduce tensor-parallel replica grads, divide expert grads by
+        the FSDP/EP ratio (experts see every EP rank's tokens), clip with EP-aware norms."""
+        from nemo_automodel.components.distributed.tp_replicas import (
+            synchronize_tp_replica_gradients)
+        from nemo_automodel.components.training.utils import (
+            get_expert_tp_replication_factor, scale_grads_and_clip_grad_norm)
+
+        parts, mesh, moe_mesh = [self.model], self._mesh.device_mesh, self._mesh.moe_mesh
+        synchronize_tp_replica_gradients(parts, mesh)
+        ep_axis = "ep" if moe_mesh is not None and "ep" in moe_mesh.mesh_dim_names else None
+        norm = scale_grads_and_clip_grad_norm(
+            self.cfg["grad_clip"], parts, device_mesh=mesh, moe_mesh=moe_mesh,
+            ep_axis_name=ep_axis, dp_group_size=self.grad_scale,
+            expert_tp_replication_factor=get_expert_tp_replication_factor(parts, mesh))
+        return float(_local(torch.as_tensor(norm)))
 
     def _named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors under HF names (AutoModel's MoE layers stack experts differently)."""

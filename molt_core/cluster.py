@@ -75,6 +75,16 @@ def check_resources(cfg: Config, rank_opts: dict, engine_opts: dict,
                 "ray.address at a larger cluster")
 
 
+def _node_id(_actor: Any) -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def _placement(actors: list) -> dict[str, int]:
+    """{node id (first 12 hex digits): actors there}: where Ray put each role."""
+    ids = ray.get([a.__ray_call__.remote(_node_id) for a in actors], timeout=60)
+    return {n[:12]: ids.count(n) for n in dict.fromkeys(ids)}
+
+
 def _short(node: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in node.items() if k in ("CPU", "GPU") or not k.startswith(("node:",
             "memory", "object_store_memory", "accelerator_type"))}
@@ -106,7 +116,9 @@ def start(cfg: Config, plugins: Any) -> Iterator[tuple[Any, list[Any]]]:
                          actor_options=rank_opts)
         ray.get([e.get_version.remote() for e in engines], timeout=cfg.engine.timeout_s)
         log.info("cluster_ready", engines=len(engines), trainer_ranks=cfg.trainer.num_ranks,
-                 rank_resources=_need(rank_opts), engine_resources=_need(engine_opts))
+                 rank_resources=_need(rank_opts), engine_resources=_need(engine_opts),
+                 rank_nodes=_placement(getattr(policy, "workers", [])),
+                 engine_nodes=_placement(engines))
         yield policy, engines
     finally:
         if policy is not None:

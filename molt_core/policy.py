@@ -20,7 +20,7 @@ import ray
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import (CPUOffloadPolicy, OffloadPolicy, fully_shard,
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard,
                                     register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
@@ -272,9 +272,7 @@ class PolicyWorker:
                     sums[k] = sums.get(k, 0.0) + s
                     counts[k] = counts.get(k, 0.0) + c
         t1 = time.perf_counter()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg["grad_clip"])
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = self._clip_grads()
         if critic is not None:
             for p in critic.parameters():     # loss x world_size: SUM / world_size
                 p.grad = torch.zeros_like(p) if p.grad is None else p.grad
@@ -288,6 +286,11 @@ class PolicyWorker:
         return {"loss": loss_total, "grad_norm": float(grad_norm), "sums": sums, "counts": counts,
                 "max": {"mismatch/max_abs": max_abs},
                 "time": {"train/fwd_bwd_s": t1 - t0, "train/optim_s": time.perf_counter() - t1}}
+
+    def _clip_grads(self) -> float:
+        """Clip the step's gradients to `trainer.grad_clip`; returns their total norm."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg["grad_clip"])
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
     @torch.no_grad()
     def logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0,
@@ -308,7 +311,8 @@ class PolicyWorker:
                     ids = torch.full((B, T, *u.shape[2:]), -1, dtype=torch.int32)
                 ids[s:s + u.shape[0], :u.shape[1]] = u
             s += lp.shape[0]
-        self.model.reshard()            # the root keeps its params gathered after forward
+        if isinstance(self.model, FSDPModule):
+            self.model.reshard()        # the root keeps its params gathered after forward
         return (out, ids) if with_routing else out
 
     @torch.no_grad()
