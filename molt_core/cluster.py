@@ -17,7 +17,7 @@ import structlog
 
 from molt_core.config import Config, ConfigError
 
-__all__ = ["actor_options", "check_resources", "init_ray", "start"]
+__all__ = ["actor_options", "check_resources", "engine_kwargs", "init_ray", "start"]
 
 log = structlog.get_logger("molt.cluster")
 
@@ -45,6 +45,19 @@ def actor_options(cfg: Config, has_gpus: bool) -> tuple[dict, dict]:
                    else float(e.tensor_parallel_size) * has_gpus)
     return ({"num_cpus": t.cpus_per_rank, "num_gpus": rank_gpus, "resources": dict(t.resources)},
             {"num_cpus": e.cpus_per_engine, "num_gpus": engine_gpus, "resources": dict(e.resources)})
+
+
+def engine_kwargs(cfg: Config, index: int) -> dict[str, Any]:
+    """Keyword arguments of engine `index`'s constructor (after the model path)."""
+    e = cfg.engine
+    kwargs = {**e.args, "dtype": cfg.model.dtype, "max_batch_size": e.max_batch_size,
+              "seed": cfg.seed + 1000 * index}
+    if e.tensor_parallel_size > 1:
+        kwargs["tensor_parallel_size"] = e.tensor_parallel_size
+    if e.speculative:          # vLLM's speculative_config, passed through as is
+        kwargs["engine_kwargs"] = {**kwargs.get("engine_kwargs", {}),
+                                   "speculative_config": dict(e.speculative)}
+    return kwargs
 
 
 def _need(opts: dict) -> dict[str, float]:
@@ -101,17 +114,9 @@ def start(cfg: Config, plugins: Any) -> Iterator[tuple[Any, list[Any]]]:
         check_resources(cfg, rank_opts, engine_opts, nodes)
         engine_cls = ray.remote(plugins.get("engine", cfg.engine.name))
         backend = plugins.get("trainer_backend", cfg.trainer.backend)
-        e = cfg.engine
-        extra = dict(e.args)
-        if e.tensor_parallel_size > 1:
-            extra["tensor_parallel_size"] = e.tensor_parallel_size
-        if e.speculative:      # vLLM's speculative_config, passed through as is
-            extra["engine_kwargs"] = {**extra.get("engine_kwargs", {}),
-                                      "speculative_config": dict(e.speculative)}
         engines = [engine_cls.options(**engine_opts, name=f"molt-engine-{i}-{os.getpid()}").remote(
-                       cfg.model.path, dtype=cfg.model.dtype, max_batch_size=e.max_batch_size,
-                       seed=cfg.seed + 1000 * i, **extra)
-                   for i in range(e.num_engines)]
+                       cfg.model.path, **engine_kwargs(cfg, i))
+                   for i in range(cfg.engine.num_engines)]
         policy = backend(cfg.model.path, cfg.trainer, dtype=cfg.model.dtype, seed=cfg.seed,
                          actor_options=rank_opts)
         ray.get([e.get_version.remote() for e in engines], timeout=cfg.engine.timeout_s)

@@ -87,6 +87,20 @@ def test_possible_parallelism_is_accepted(dirs, model, overrides):
     load_config(RECIPE, [f"model.path={dirs[model]}", *overrides])
 
 
+def test_engine_options_reach_the_engine_constructor(dirs):
+    cfg = load_config(RECIPE, [
+        f"model.path={dirs['mtp']}", "engine.name=vllm", "engine.tensor_parallel_size=2",
+        "engine.speculative={method: mtp, num_speculative_tokens: 1}", "seed=3",
+        "engine.args={gpu_memory_utilization: 0.3, engine_kwargs: {max_num_batched_tokens: 64}}"])
+    assert cluster.engine_kwargs(cfg, 1) == {
+        "dtype": "float32", "max_batch_size": 256, "seed": 1003, "tensor_parallel_size": 2,
+        "gpu_memory_utilization": 0.3,
+        "engine_kwargs": {"max_num_batched_tokens": 64,
+                          "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}}
+    with pytest.raises(ConfigError, match="engine.args sets \\['seed'\\]"):
+        load_config(RECIPE, [f"model.path={dirs['dense']}", "engine.args={seed: 1}"])
+
+
 def test_model_facts(tmp_path, tiny_model_dir):
     vl = _model_dir(tmp_path, "vl", tiny_model_dir, text_config={"num_experts": 8})
     assert model_facts(vl) == {"num_experts": 8, "mtp_layers": 0}

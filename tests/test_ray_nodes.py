@@ -30,7 +30,7 @@ def test_trainer_and_engines_on_separate_nodes(tmp_path, tiny_chars_dir):
     r = json.loads(out.read_text())
     head, worker = r["head"][:12], r["worker"][:12]
     assert head != worker
-    assert r["rank_nodes"] == {head: 2}         # molt_trainer lives on the head node only
+    assert r["rank_nodes"] == {head: 1}         # molt_trainer lives on the head node only
     assert r["engine_nodes"] == {worker: 2}     # molt_engine on the worker node only
     assert r["connected_to"] == r["address"]
     assert r["versions"] == [1, 2, 3]           # three steps, each followed by a weight sync
@@ -56,7 +56,7 @@ def _main(model: str, out: str) -> None:
         cfg = load_config(RECIPE, [
             f"model.path={model}", f"ray.address={c.address}", f"out_dir={tmp}/runs",
             "trainer.steps=3", "rollout.groups_per_step=2", "rollout.group_size=4",
-            "trainer.num_ranks=2", "engine.num_engines=2", "trainer.resources={molt_trainer: 1}",
+            "trainer.num_ranks=1", "engine.num_engines=2", "trainer.resources={molt_trainer: 1}",
             "engine.resources={molt_engine: 1}"])
         plugins = build_plugins()
         with structlog.testing.capture_logs() as logs:
