@@ -21,7 +21,7 @@ from molt_core.engines.hf import HFEngine
 from molt_core.generator import RolloutContext
 from molt_core.plugins import build_plugins
 from molt_core.policy import token_logprobs
-from molt_core.trajectory import InvariantError, collate
+from molt_core.trajectory import InvariantError, Trajectory, collate
 from molt_gym import GymAgent
 
 SAMPLING = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
@@ -301,3 +301,51 @@ def test_anthropic_sdk_base64_image_block(tiny_vl_dir, tok, engine):
     traj.check(len(tok))
     assert [n for n, _ in calls] == [1] and len(traj.images) == 1
     assert [x for x, m in zip(traj.token_ids, traj.loss_mask) if m] == calls[0][1]
+
+
+def test_weight_update_mid_generation_reprefills_with_the_images(tiny_vl_dir, tok):
+    """A weight update under in-flight VL requests: the re-prefill feeds the images again (through
+    the new vision tower) with the same mRoPE positions, so every token's log-prob is that of the
+    weights that sampled it."""
+    model = multimodal.load_model(tiny_vl_dir, torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    new = {n: p.detach() + 0.05 * torch.randn(p.shape, generator=g)
+           for n, p in model.named_parameters()}
+    new_model = multimodal.load_model(tiny_vl_dir, torch.float32).eval()
+    new_model.load_state_dict(new, strict=False)
+    enc = multimodal.ImageEncoder(tiny_vl_dir, tok)
+    image = np.full((32, 32, 3), 90, dtype=np.uint8)
+    prompts = [enc.encode(text, [image] * text.count("<|image_pad|>")) for text in
+               ["<|vision_start|><|image_pad|><|vision_end|>a",
+                "long text then <|vision_start|><|image_pad|><|vision_end|>b<|vision_start|>"
+                "<|image_pad|><|vision_end|>c"]]
+    s = {**SAMPLING, "max_new_tokens": 12, "stop_token_ids": []}
+
+    async def main():
+        engine = HFEngine(str(tiny_vl_dir))
+        tasks = [asyncio.create_task(engine.generate(ids, s, ims)) for ids, ims in prompts]
+        while (await engine.stats())["tokens_generated"] < 3 * len(prompts):
+            await asyncio.sleep(0.002)
+        await engine.pause()
+        k = (await engine.stats())["tokens_generated"] // len(prompts)
+        await engine.update_weights(list(new.items()), version=1)
+        await engine.finish_weight_update(1)
+        await engine.resume()
+        return await asyncio.gather(*tasks), k
+
+    completions, k = asyncio.run(main())
+    for (ids, ims), c in zip(prompts, completions):
+        assert c.versions == [0] * k + [1] * (12 - k)
+        t = Trajectory()
+        t.add_prompt(ids, ims)
+        t.add_completion(c)
+        batch = collate([t], [[0.0] * len(t)], tok.pad_token_id)
+        args = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 1024)
+        images = (batch["pixel_values"], batch["image_grid_thw"])
+        with torch.no_grad():
+            old_lp = token_logprobs(model, *args, images=images)[0, len(ids):]
+            new_lp = token_logprobs(new_model, *args, images=images)[0, len(ids):]
+        engine_lp = torch.tensor(c.logprobs)
+        assert (old_lp - engine_lp)[:k].abs().max() < 1e-5
+        assert (new_lp - engine_lp)[k:].abs().max() < 1e-5
+        assert (old_lp - engine_lp)[k:].abs().max() > 1e-3
