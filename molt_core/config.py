@@ -366,6 +366,11 @@ def _validate_parallel(cfg: Config) -> None:
                 f"trainer.ep_size={t.ep_size} runs AutoModel's own MoE layers, to which routing "
                 f"replay and router freezing are not wired: set trainer.moe_routing=off (got "
                 f"{t.moe_routing}), or ep_size=1 to keep the HF MoE layers and replay")
+        if t.moe_aux_loss_coef:
+            raise ConfigError(
+                f"trainer.moe_aux_loss_coef acts on the HF MoE layers; with ep_size={t.ep_size} "
+                "AutoModel's MoE layers apply their own load-balancing loss (the checkpoint's "
+                "router_aux_loss_coef): set trainer.moe_aux_loss_coef=0")
     if e.name != "vllm" and (e.tensor_parallel_size > 1 or e.speculative):
         raise ConfigError(f"engine.tensor_parallel_size and engine.speculative need engine.name="
                           f"vllm (engine '{e.name}' runs one unsharded model, no draft)")

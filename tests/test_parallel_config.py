@@ -62,6 +62,8 @@ AM = ["trainer.backend=automodel"]
      "must divide the model's num_experts (4)"),
     ("moe", AM + ["trainer.num_ranks=2", "trainer.ep_size=2"],
      "set trainer.moe_routing=off"),
+    ("moe", AM + ["trainer.num_ranks=2", "trainer.ep_size=2", "trainer.moe_routing=off",
+                  "trainer.moe_aux_loss_coef=0.01"], "set trainer.moe_aux_loss_coef=0"),
     ("dense", ["engine.tensor_parallel_size=2"], "need engine.name=vllm"),
     ("dense", ["engine.speculative={method: ngram, num_speculative_tokens: 2}"],
      "need engine.name=vllm"),
