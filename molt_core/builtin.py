@@ -20,9 +20,9 @@ VLLM_VL = ("engine.name=vllm cannot run the vision-language checkpoint '{path}';
            "and Qwen3VLVideoProcessor, which need torchvision, and PyPI has no torchvision for "
            "torch==2.13.0+cpu (its torchvision 0.28.0 is the CUDA build: _C.so needs "
            "libc10_cuda.so), so vLLM stops with \"Model architectures "
-           "['Qwen3VLForConditionalGeneration'] failed to be inspected\". Untested there, molt's "
-           "vllm engine does not pass images (multi_modal_data) to vLLM either: a prompt's image "
-           "placeholder tokens would reach the model without their images")
+           "['Qwen3VLForConditionalGeneration'] failed to be inspected\". With nothing to test it "
+           "on, molt's vllm engine does not pass images (multi_modal_data) to vLLM either, so on "
+           "GPU too a prompt's image placeholders would reach the model without their images")
 
 
 def _is_vl_checkpoint(path: str) -> bool:
