@@ -8,6 +8,7 @@ the cluster before anything starts (`check_resources`).
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -17,7 +18,8 @@ import structlog
 
 from molt_core.config import Config, ConfigError
 
-__all__ = ["actor_options", "check_resources", "engine_kwargs", "init_ray", "start"]
+__all__ = ["actor_options", "check_resources", "engine_kwargs", "init_ray", "rank_placement",
+           "start"]
 
 log = structlog.get_logger("molt.cluster")
 
@@ -58,6 +60,41 @@ def engine_kwargs(cfg: Config, index: int) -> dict[str, Any]:
         kwargs["engine_kwargs"] = {**kwargs.get("engine_kwargs", {}),
                                    "speculative_config": dict(e.speculative)}
     return kwargs
+
+
+def _address(loopback: bool) -> tuple[str, int]:
+    """A free port on this node: 127.0.0.1, or the node's IP for ranks on other nodes."""
+    host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return host, s.getsockname()[1]
+
+
+def rank_placement(n: int, options: dict, timeout_s: float) -> tuple[list[dict], str, int, Any]:
+    """Ray options of each of `n` trainer ranks, their process-group address (rank 0's node;
+    loopback when every rank shares one node) and the placement group to remove at shutdown.
+
+    One node, or ranks reserving nothing: plain actors on the driver's node. Several nodes: a
+    PACK placement group of one bundle per rank, so rank 0's node is known before ranks start.
+    """
+    need = _need(options)
+    if not need or sum(node["Alive"] for node in ray.nodes()) == 1:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        return [{**options, "scheduling_strategy": here}] * n, *_address(True), None
+    from ray.util.placement_group import placement_group, placement_group_table
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    pg = placement_group([need] * n, strategy="PACK")
+    if not pg.wait(timeout_seconds=timeout_s):
+        ray.util.remove_placement_group(pg)
+        raise TimeoutError(f"{n} trainer ranks of {need} could not be placed within {timeout_s}s "
+                           "(trainer.timeout_s): the cluster lacks free resources")
+    nodes = set(placement_group_table(pg)["bundles_to_node_id"].values())
+    in_bundle = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+                 for i in range(n)]
+    host, port = ray.get(ray.remote(_address).options(
+        num_cpus=0, scheduling_strategy=in_bundle[0]).remote(len(nodes) == 1), timeout=timeout_s)
+    return [{**options, "scheduling_strategy": s} for s in in_bundle], host, port, pg
 
 
 def _need(opts: dict) -> dict[str, float]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import math
-import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
@@ -25,7 +24,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, OffloadPolicy,
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from molt_core import moe, multimodal, weight_sync
+from molt_core import cluster, moe, multimodal, weight_sync
 from molt_core.algos import aggregate, is_correction, loss_terms
 from molt_core.config import TrainerConfig
 
@@ -382,12 +381,6 @@ def _images(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | 
     return (mb["pixel_values"], mb["image_grid_thw"]) if "image_grid_thw" in mb else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _pad_rows(batch: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
     """Append n fully masked dummy rows (one attended pad token, so attention is never empty)."""
     if n == 0:
@@ -416,12 +409,13 @@ class Policy:
         self.cfg = trainer_cfg
         n = trainer_cfg.num_ranks
         self.replicas = trainer_cfg.tp_size * trainer_cfg.cp_size   # ranks per data shard
-        actor = ray.remote(self.worker_cls).options(
-            **(actor_options or {"num_cpus": 0, "num_gpus": int(torch.cuda.is_available())}))
-        port = _free_port()
-        self.workers = [actor.remote(r, n, "127.0.0.1", port, model_path, dtype=dtype,
-                                     trainer=asdict(trainer_cfg), seed=seed,
-                                     num_threads=num_threads)
+        options, host, port, self._pg = cluster.rank_placement(
+            n, actor_options or {"num_cpus": 0, "num_gpus": int(torch.cuda.is_available()),
+                                 "resources": {}}, trainer_cfg.timeout_s)
+        actor = ray.remote(self.worker_cls)
+        self.workers = [actor.options(**options[r]).remote(
+                            r, n, host, port, model_path, dtype=dtype,
+                            trainer=asdict(trainer_cfg), seed=seed, num_threads=num_threads)
                         for r in range(n)]
         try:
             ray.get([w.ready.remote() for w in self.workers], timeout=trainer_cfg.timeout_s)
@@ -510,3 +504,6 @@ class Policy:
         for w in self.workers:
             ray.kill(w)
         self.workers = []
+        if self._pg is not None:
+            ray.util.remove_placement_group(self._pg)
+            self._pg = None
