@@ -127,12 +127,20 @@ def transports(name: str, path: Path, modes: list[str], bucket_bytes: int, repea
     version = 100
     for mode in ray_modes:
         best = float("inf")
+        before = ray.get(engine.stats.remote(), timeout=60)
         for _ in range(repeats):
             version += 1
             best = min(best, ray.get(sender.sync.remote([engine], version, bucket_bytes,
                                                         mode == "broadcast"), timeout=600))
         print(f"  {name + ' ' + mode:<22} {best * 1000:8.1f} ms  "
               f"{nbytes / best / 2**30:6.2f} GiB/s  ({bound / best:.0%} of the bound)")
+        after = ray.get(engine.stats.remote(), timeout=60)
+        if "weight_load_s" in after:
+            w, r, ld, tot = ((after[k] - before[k]) / repeats * 1000 for k in
+                             ("weight_write_s", "weight_read_s", "weight_load_s",
+                              "weight_update_s"))
+            print(f"    mean per sync in the engine: bucket write {w:.0f} ms, worker map/"
+                  f"receive {r:.0f} ms, load_weights {ld:.0f} ms, rest {tot - w - r - ld:.0f} ms")
     if name == "vllm":
         ray.get(engine.shutdown.remote(), timeout=120)
     ray.kill(engine)
