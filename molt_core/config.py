@@ -86,7 +86,10 @@ class TrainerConfig:
     timeout_s: float = 300.0             # collectives and trainer RPCs
     weight_sync_bucket_mb: float = 64.0
     weight_sync_timeout_s: float = 120.0   # every sync RPC and collective
-    weight_sync_transport: str = "ray"     # ray (object store) | broadcast (gloo/NCCL group)
+    # broadcast: a gloo/NCCL group of trainer rank 0 and the engine workers (faster here, and
+    # across nodes); ray: buckets as Ray objects (needed when trainer and engine share a GPU,
+    # which NCCL cannot put in one group; any engine with `update_weights`)
+    weight_sync_transport: str = "broadcast"
     # MoE policies: replay (the trainer's forward uses the experts the engine routed each sampled
     # token to; R3) | off (the trainer recomputes routing) | freeze_router (recompute; router
     # weights get no updates). Ignored for dense models.
@@ -285,6 +288,11 @@ def validate(cfg: Config) -> None:
         (t.weight_sync_transport in ("ray", "broadcast"),
          f"trainer.weight_sync_transport '{t.weight_sync_transport}' unknown; valid: ray, "
          "broadcast"),
+        (t.weight_sync_transport == "ray" or not (0 < t.gpus_per_rank < 1
+                                                  or 0 < cfg.engine.gpus_per_engine < 1),
+         "trainer.weight_sync_transport=broadcast needs trainer and engines on separate GPUs "
+         "(NCCL cannot hold two ranks of one GPU); with fractional gpus_per_rank/gpus_per_engine "
+         "set trainer.weight_sync_transport=ray"),
         (t.moe_aux_loss_coef >= 0, "trainer.moe_aux_loss_coef must be >= 0 (0: off)"),
         (not (t.moe_aux_loss_coef > 0 and t.moe_routing == "freeze_router"),
          "trainer.moe_aux_loss_coef > 0 has no effect with trainer.moe_routing=freeze_router "

@@ -66,7 +66,8 @@ def make_batch(model_path: str, B: int = B_ROWS, T: int = 20, seed: int = 0
 
 
 def start(model_path: str, **trainer) -> Policy:
-    return Policy(model_path, TrainerConfig(**{"lr": 1e-3, "timeout_s": 60.0, **trainer}))
+    return Policy(model_path, TrainerConfig(**{"lr": 1e-3, "timeout_s": 60.0,
+                                               "weight_sync_transport": "ray", **trainer}))
 
 
 def assert_params_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-5):

@@ -225,3 +225,15 @@ def test_engine_killed_during_generate(setup, tiny_model_dir):
     with pytest.raises(RuntimeError, match="engine 0 failed: .*Actor"):
         asyncio.run(main())
     assert time.perf_counter() - t0 < TIMEOUT_S
+
+
+def test_config_transport_checks(tiny_model_dir):
+    from molt_core.config import ConfigError, load_config
+    base = [f"model.path={tiny_model_dir}"]
+    assert load_config(None, base).trainer.weight_sync_transport == "broadcast"
+    with pytest.raises(ConfigError, match="weight_sync_transport 'nccl' unknown; valid: ray"):
+        load_config(None, [*base, "trainer.weight_sync_transport=nccl"])
+    with pytest.raises(ConfigError, match="separate GPUs.*set trainer.weight_sync_transport=ray"):
+        load_config(None, [*base, "engine.gpus_per_engine=0.5", "trainer.gpus_per_rank=0.5"])
+    load_config(None, [*base, "engine.gpus_per_engine=0.5", "trainer.gpus_per_rank=0.5",
+                       "trainer.weight_sync_transport=ray"])
