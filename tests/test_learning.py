@@ -9,7 +9,7 @@ from molt_core.cli import load
 from molt_core.trainer import train
 
 
-def run_recipe(recipe: str, model_dir, tmp_path, steps: int) -> tuple[float, float]:
+def run_recipe(recipe: str, model_dir, tmp_path, steps: int, last: int = 20) -> tuple[float, float]:
     data = yaml.safe_load(open(recipe))
     data["model"]["path"] = str(model_dir)
     path = tmp_path / "recipe.yaml"
@@ -18,8 +18,8 @@ def run_recipe(recipe: str, model_dir, tmp_path, steps: int) -> tuple[float, flo
     history = train(cfg, plugins, tmp_path, progress=False)
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == steps
     start = sum(h["reward/mean"] for h in history[:5]) / 5
-    end = sum(h["reward/mean"] for h in history[-20:]) / 20
-    print(f"{recipe}: mean reward first 5 steps {start:.3f}, last 20 steps {end:.3f}")
+    end = sum(h["reward/mean"] for h in history[-last:]) / last
+    print(f"{recipe}: mean reward first 5 steps {start:.3f}, last {last} steps {end:.3f}")
     return start, end
 
 
@@ -44,3 +44,20 @@ def test_vl_colour_learns(ray_local, tiny_vl_dir, tmp_path):
     start, end = run_recipe("recipes/cpu/vl_colour.yaml", tiny_vl_dir, tmp_path, 60)
     assert start <= 0.15
     assert end >= 0.6
+
+
+@pytest.fixture(scope="session")
+def calculator_dir(tmp_path_factory):
+    """The chat recipe's policy, built here: tiny Qwen3 + short SFT (~1 min CPU)."""
+    from molt_chat.calculator import build_model
+
+    return build_model(tmp_path_factory.mktemp("calculator") / "model")
+
+
+@pytest.mark.slow
+def test_chat_tool_use_learns(ray_local, calculator_dir, tmp_path):
+    """A chat agent on the stock OpenAI SDK learns to call the calculator tool to answer."""
+    start, end = run_recipe("recipes/cpu/chat_calculator.yaml", calculator_dir, tmp_path, 15,
+                            last=10)
+    assert start <= 0.45
+    assert end >= start + 0.25

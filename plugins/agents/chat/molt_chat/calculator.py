@@ -1,13 +1,15 @@
-"""Example chat agent: answer "What is a + b?" by calling a calculator tool, through a stock SDK.
+"""Example chat agent: answer "What is a + b?", where calling the calculator tool pays.
 
-Turn 1: the policy should call `calculator` (Hermes `<tool_call>` JSON, parsed by the server into
-an OpenAI `tool_calls` entry / Anthropic `tool_use` block). The agent evaluates the expression
-and sends the result back as a tool message (masked). Turn 2: the policy should answer.
+Turn 1: the policy either answers directly or calls `calculator` (Hermes `<tool_call>` JSON,
+parsed by the server into an OpenAI `tool_calls` entry / Anthropic `tool_use` block). On a call,
+the agent evaluates the expression, sends the result back as a tool message (masked), and the
+policy answers in turn 2. Reward: 1 if the final answer's first number is a + b, else 0, given
+per turn (`[answer]` for a direct answer, `[0, answer]` after a call).
 
-Shaped per-turn rewards (sum in [0, 1]):
-  turn 1: 0.1 for emitting a `<tool_call>` block at all, 0.4 if it parses as a `calculator` call,
-          +0.2 if the expression evaluates to a + b;
-  turn 2: 0.3 if the answer's first number is a + b.
+`build_model` makes the CPU recipe's policy: a tiny random-init model taught both behaviours by a
+short SFT (`imprint`): it calls the calculator (correctly) on a fifth of the questions and guesses
+a random sum on the rest. A guess is right about one time in 15, the calculator nearly always: RL
+has to learn *when to use the tool*, the decision researchers train agents for.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 from molt_chat import ChatAgent, ChatContext
 
-__all__ = ["Calculator", "TOOL", "evaluate"]
+__all__ = ["Calculator", "TOOL", "build_model", "evaluate"]
 
 TOOL = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression",
@@ -51,38 +53,44 @@ def _first_int(text: str | None) -> int | None:
     return int(m.group()) if m else None
 
 
+def _expression(arguments: Any) -> str | None:
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    expr = arguments.get("expression") if isinstance(arguments, dict) else None
+    return expr if isinstance(expr, str) else None
+
+
 class Calculator(ChatAgent):
-    def __init__(self, *, api: str = "openai", lo: int = 1, hi: int = 4,
+    def __init__(self, *, api: str = "openai", lo: int = 2, hi: int = 9,
                  max_tokens: int | None = None) -> None:
         if api not in ("openai", "anthropic"):
             raise ValueError(f"api must be 'openai' or 'anthropic', got {api!r}")
         self.api, self.lo, self.hi, self.max_tokens = api, lo, hi, max_tokens
 
-    def question(self, task: int) -> tuple[str, int]:
+    def operands(self, task: int) -> tuple[int, int]:
         rng = random.Random(task)
-        a, b = rng.randint(self.lo, self.hi), rng.randint(self.lo, self.hi)
-        return f"What is {a} + {b}? Use the calculator.", a + b
+        return rng.randint(self.lo, self.hi), rng.randint(self.lo, self.hi)
+
+    def question(self, task: int) -> tuple[str, int]:
+        a, b = self.operands(task)
+        return f"What is {a} + {b}?", a + b
 
     async def run(self, ctx: ChatContext) -> list[float]:
         question, answer = self.question(ctx.task)
         ctx.info["question"] = question
         call = self._openai if self.api == "openai" else self._anthropic
-        return await call(ctx, question, answer)
+        rewards, text = await call(ctx, question)
+        ctx.info["answer"] = text
+        return rewards[:-1] + [float(_first_int(text) == answer)]
 
-    def _score_call(self, name: str, arguments: Any, answer: int) -> tuple[float, int | None]:
-        if name != "calculator":
-            return 0.1, None
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                return 0.1, None
-        expr = arguments.get("expression") if isinstance(arguments, dict) else None
-        value = evaluate(expr) if isinstance(expr, str) else None
-        self.expression = expr
-        return 0.5 + 0.2 * (value == answer), value
+    def _result(self, arguments: Any) -> str:
+        value = evaluate(_expression(arguments) or "")
+        return "error" if value is None else str(value)
 
-    async def _openai(self, ctx: ChatContext, question: str, answer: int) -> list[float]:
+    async def _openai(self, ctx: ChatContext, question: str) -> tuple[list[float], str]:
         import openai
         client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
         kw: dict[str, Any] = {"model": ctx.model, "tools": [TOOL]}
@@ -93,17 +101,15 @@ class Calculator(ChatAgent):
             r = await client.chat.completions.create(messages=messages, **kw)
             msg = r.choices[0].message
             if not msg.tool_calls:
-                return [0.1 if "<tool_call>" in (msg.content or "") else 0.0]
+                return [0.0], msg.content or ""
             tc = msg.tool_calls[0]
-            r1, value = self._score_call(tc.function.name, tc.function.arguments, answer)
             messages += [msg.model_dump(exclude_none=True),
                          {"role": "tool", "tool_call_id": tc.id,
-                          "content": "error" if value is None else str(value)}]
+                          "content": self._result(tc.function.arguments)}]
             r = await client.chat.completions.create(messages=messages, **kw)
-            ctx.info["answer"] = r.choices[0].message.content
-            return [r1, 0.3 * (_first_int(r.choices[0].message.content) == answer)]
+            return [0.0, 0.0], r.choices[0].message.content or ""
 
-    async def _anthropic(self, ctx: ChatContext, question: str, answer: int) -> list[float]:
+    async def _anthropic(self, ctx: ChatContext, question: str) -> tuple[list[float], str]:
         import anthropic
         client = anthropic.AsyncAnthropic(base_url=ctx.anthropic_base_url, api_key=ctx.api_key,
                                           max_retries=0)
@@ -111,64 +117,85 @@ class Calculator(ChatAgent):
                 "input_schema": TOOL["function"]["parameters"]}
         kw: dict[str, Any] = {"model": ctx.model, "tools": [tool],
                               "max_tokens": self.max_tokens or 1024}
+
+        def text(r: Any) -> str:
+            return "".join(b.text for b in r.content if b.type == "text")
+
         async with client:
             messages: list[Any] = [{"role": "user", "content": question}]
             r = await client.messages.create(messages=messages, **kw)
             uses = [b for b in r.content if b.type == "tool_use"]
             if not uses:
-                text = "".join(b.text for b in r.content if b.type == "text")
-                return [0.1 if "<tool_call>" in text else 0.0]
-            r1, value = self._score_call(uses[0].name, uses[0].input, answer)
+                return [0.0], text(r)
             messages += [{"role": "assistant", "content": [b.model_dump() for b in r.content]},
                          {"role": "user", "content": [
                              {"type": "tool_result", "tool_use_id": uses[0].id,
-                              "content": "error" if value is None else str(value)}]}]
+                              "content": self._result(uses[0].input)}]}]
             r = await client.messages.create(messages=messages, **kw)
-            text = "".join(b.text for b in r.content if b.type == "text")
-            ctx.info["answer"] = text
-            return [r1, 0.3 * (_first_int(text) == answer)]
+            return [0.0, 0.0], text(r)
 
 
-def build_model(out_dir: str | Path, *, lo: int = 1, hi: int = 4, examples: int = 48,
-                steps: int = 150, seed: int = 0) -> Path:
-    """A tiny random-init model with a *format prior* for the calculator task, in `out_dir`.
+def short_tools_template(template: str) -> str:
+    """`template` with the long Qwen tools preamble replaced by `Tools: name ...` (same Hermes
+    `<tool_call>` format): a tiny model's prompt shrinks from ~170 to ~20 tokens."""
+    head, rest = template.split("{%- if tools %}", 1)
+    _, tail = rest.split("{%- elif messages[0].role == 'system' %}", 1)
+    short = """{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n' }}{%- endif %}
+{{- 'Tools:' }}{%- for tool in tools %}{{- ' ' + (tool.function or tool).name }}{%- endfor %}
+{{- '<|im_end|>\\n' }}
+"""
+    return head + short + "{%- elif messages[0].role == 'system' %}" + tail
 
-    The tokenizer is trained with the tool-prompt boilerplate in its corpus (so the prompt is
-    short), then the model is imprinted on transcripts whose *content is random*: the call's
-    expression uses numbers unrelated to the question and the final answer is a random number.
-    So the model knows the syntax (a `<tool_call>` with JSON, then "The answer is N.") but not
-    which numbers to use; RL has to learn that from the reward.
-    """
-    from molt_core.tiny import build_tiny_model
-    from molt_chat.imprint import imprint
+
+def imprint_pairs(tok: Any, lo: int, hi: int, tool_rate: float,
+                  seed: int = 0) -> list[tuple[str, str]]:
+    """(prompt, reply) pairs: for every question, one correct calculator transcript (call, then
+    the answer) per `1 / tool_rate - 1` direct answers that guess a random sum."""
+    rng = random.Random(seed)
+    call = '<tool_call>\n{{"name": "calculator", "arguments": {args}}}\n</tool_call><|im_end|>'
+    pairs = []
+    for a in range(lo, hi + 1):
+        for b in range(lo, hi + 1):
+            msgs: list[dict] = [{"role": "user", "content": f"What is {a} + {b}?"}]
+            prompt = tok.apply_chat_template(msgs, tools=[TOOL], tokenize=False,
+                                             add_generation_prompt=True)
+            for _ in range(round(1 / tool_rate) - 1):
+                pairs.append((prompt, f"The answer is {rng.randint(2 * lo, 2 * hi)}.<|im_end|>"))
+            args = json.dumps({"expression": f"{a} + {b}"})
+            pairs.append((prompt, call.format(args=args)))
+            msgs += [{"role": "assistant", "content": "", "tool_calls": [
+                         {"id": "c", "type": "function",
+                          "function": {"name": "calculator", "arguments": args}}]},
+                     {"role": "tool", "tool_call_id": "c", "content": str(a + b)}]
+            pairs.append((tok.apply_chat_template(msgs, tools=[TOOL], tokenize=False,
+                                                  add_generation_prompt=True),
+                          f"The answer is {a + b}.<|im_end|>"))
+    return pairs
+
+
+def build_model(out_dir: str | Path, *, lo: int = 2, hi: int = 9, tool_rate: float = 0.2,
+                steps: int = 400, batch_size: int = 32, lr: float = 1e-2,
+                seed: int = 0) -> Path:
+    """The recipe's policy in `out_dir`: a tiny random-init Qwen3 (short tools template) imprinted
+    to call the calculator on a `tool_rate` share of the questions and to guess otherwise."""
     from transformers import AutoTokenizer
 
+    from molt_chat.imprint import imprint
+    from molt_core.tiny import CHAT_TEMPLATE, build_tiny_model
+
     out = Path(out_dir)
-    probe = AutoTokenizer.from_pretrained(build_tiny_model(out / "probe", seed=seed))
-    boiler = probe.apply_chat_template([{"role": "user", "content": "hi"}], tools=[TOOL],
-                                       tokenize=False)
     base = build_tiny_model(out / "base", vocab_size=1024, seed=seed,
-                            extra_corpus=[boiler] * 50 + ['{"expression": "3 + 4"}'] * 50)
+                            extra_corpus=[
+        "<|im_start|>system\nTools: calculator<|im_end|>\n",
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 + 4"}}\n</tool_call>'
+    ] * 50)
     tok = AutoTokenizer.from_pretrained(base)
-    rng = random.Random(seed)
-    agent = Calculator(lo=lo, hi=hi)
-    pairs = []
-    for i in range(examples):
-        question, _ = agent.question(rng.randrange(1 << 30))
-        x, y = rng.randint(lo, hi), rng.randint(lo, hi)
-        args = json.dumps({"expression": f"{x} + {y}"})
-        msgs = [{"role": "user", "content": question}]
-        call = f'<tool_call>\n{{"name": "calculator", "arguments": {args}}}\n</tool_call><|im_end|>'
-        pairs.append((tok.apply_chat_template(msgs, tools=[TOOL], tokenize=False,
-                                              add_generation_prompt=True), call))
-        msgs += [{"role": "assistant", "content": "", "tool_calls": [
-                     {"id": "c", "type": "function",
-                      "function": {"name": "calculator", "arguments": args}}]},
-                 {"role": "tool", "tool_call_id": "c", "content": str(x + y)}]
-        pairs.append((tok.apply_chat_template(msgs, tools=[TOOL], tokenize=False,
-                                              add_generation_prompt=True),
-                      f"The answer is {rng.randint(2 * lo, 2 * hi)}.<|im_end|>"))
-    imprint(base, out, pairs, steps=steps, lr=3e-3, tol=None, batch_size=8, seed=seed)
+    tok.chat_template = short_tools_template(CHAT_TEMPLATE)
+    tok.save_pretrained(base)
+    imprint(base, out, imprint_pairs(tok, lo, hi, tool_rate, seed), steps=steps, lr=lr, tol=None,
+            batch_size=batch_size, clip=1.0, decay=True, seed=seed)
     return out
 
 

@@ -18,10 +18,25 @@ __all__ = ["imprint"]
 
 def imprint(model_dir: str | Path, out_dir: str | Path, examples: list[tuple[str, str]], *,
             steps: int = 300, lr: float = 1e-2, tol: float | None = 0.01,
-            batch_size: int | None = None, seed: int = 0) -> Path:
+            batch_size: int | None = None, clip: float | None = None, decay: bool = False,
+            seed: int = 0) -> Path:
     """Fine-tune on (prompt_text, reply_text) pairs, loss on the reply only, for up to `steps`
-    Adam steps on random mini-batches (all examples when `batch_size` is None). With `tol`, stop
-    once the mean loss is below it and raise if it never is. Save model + tokenizer to `out_dir`."""
+    Adam steps on random mini-batches (all examples when `batch_size` is None), gradient norm
+    clipped to `clip`, lr decayed linearly to 0 with `decay` (so that a reply's first token ends
+    close to its frequency among the examples). With `tol`, stop once the mean loss is below it
+    and raise if it never is. Save model + tokenizer to `out_dir`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)      # tiny model: threads only add overhead (and spin on a busy box)
+    try:
+        return _imprint(model_dir, out_dir, examples, steps, lr, tol, batch_size, clip, decay,
+                        seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _imprint(model_dir: str | Path, out_dir: str | Path, examples: list[tuple[str, str]],
+             steps: int, lr: float, tol: float | None, batch_size: int | None,
+             clip: float | None, decay: bool, seed: int) -> Path:
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -30,13 +45,17 @@ def imprint(model_dir: str | Path, out_dir: str | Path, examples: list[tuple[str
     for prompt, reply in examples:
         p = tok(prompt, add_special_tokens=False).input_ids
         r = tok(reply, add_special_tokens=False).input_ids
-        rows.append((torch.tensor([p + r]), torch.tensor([[-100] * len(p) + r])))
+        rows.append((p + r, [-100] * len(p) + r))
     opt = torch.optim.Adam(model.parameters(), lr=lr)
-    for _ in range(steps):
+    for step in range(steps):
+        if decay:
+            opt.param_groups[0]["lr"] = lr * (1 - step / steps)
         batch = rows if batch_size is None else rng.sample(rows, min(batch_size, len(rows)))
-        loss = sum(model(input_ids=x, labels=y).loss for x, y in batch) / len(batch)
+        loss = _loss(model, batch, tok.pad_token_id or 0)
         opt.zero_grad()
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         if tol is not None and loss.item() < tol:
             break
@@ -50,3 +69,15 @@ def imprint(model_dir: str | Path, out_dir: str | Path, examples: list[tuple[str
     if gen.exists():
         shutil.copy(gen, out / "generation_config.json")
     return out
+
+
+def _loss(model: torch.nn.Module, batch: list[tuple[list[int], list[int]]], pad: int) -> torch.Tensor:
+    """Mean reply-token loss over the batch (every token weighs the same, so a reply's first
+    token is fitted to its frequency among the examples), in one right-padded forward."""
+    n = max(len(ids) for ids, _ in batch)
+    ids = torch.tensor([x + [pad] * (n - len(x)) for x, _ in batch])
+    labels = torch.tensor([y + [-100] * (n - len(y)) for _, y in batch])
+    mask = torch.tensor([[1] * len(x) + [0] * (n - len(x)) for x, _ in batch])
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    return torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels[:, 1:],
+                                             ignore_index=-100)
