@@ -76,7 +76,7 @@ def test_multi_turn_gym_rollout_is_token_exact(tiny_model_dir):
     engine = HFEngine(path, seed=5)
     sampled: list[list[int]] = []
 
-    async def generate(ids, sampling=None):
+    async def generate(ids, sampling=None, images=None):
         c = await engine.generate(ids, {**SAMPLING, "max_new_tokens": 3})
         sampled.append(list(c.token_ids))
         return c
