@@ -141,9 +141,13 @@ class MoltWorkerExtension:
             info = LAYERWISE_INFO.get(layer)
             if info is None or not info.can_load() or is_deferred_attention_layer(layer):
                 continue    # processed: every element was loaded
-            if info.load_numel_total and info.load_numel < info.load_numel_total:
-                missing.append(f"{name or '<root>'} ({info.load_numel}/{info.load_numel_total} "
-                               "elements)")
+            total = info.load_numel_total
+            si = getattr(layer, "shard_indices", None)
+            if si is not None and total:    # vocab rows padded to a multiple of 64: never loaded
+                total -= (si.num_elements_padded - si.num_org_elements
+                          - si.num_added_elements) * layer.embedding_dim
+            if total and info.load_numel < total:
+                missing.append(f"{name or '<root>'} ({info.load_numel}/{total} elements)")
         if missing:
             return missing
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
@@ -306,6 +310,17 @@ class VLLMEngine:
         self._stats["requests"] += 1
         self._stats["tokens_generated"] += len(tokens)
         return Completion(tokens, logprobs, versions, finish)
+
+    async def generate_batch(self, prompts: list[list[int]], samplings: list[dict],
+                             images: list | None = None) -> list[Completion | Exception]:
+        """Many requests in one call (the generator's RPC); a failed request returns its
+        exception in place. Images are not passed to vLLM (VL runs on `hf`; `molt validate`
+        rejects engine=vllm with a VL checkpoint)."""
+        if images and any(images):
+            raise ValueError("engine 'vllm' does not take images; use engine.name=hf for "
+                             "vision-language models")
+        return await asyncio.gather(*(self.generate(p, s) for p, s in zip(prompts, samplings)),
+                                    return_exceptions=True)
 
     async def pause(self) -> None:
         """Stop scheduling; in-flight requests keep their state (vLLM pause mode "keep")."""
