@@ -14,6 +14,7 @@ rollout's `generate(prompt_ids, sampling) -> Completion`, and records the sessio
 - An identical retried request returns the cached reply and generates nothing.
 - A prompt that does not fit the context returns `finish_reason: "length"` (Anthropic:
   `stop_reason: "max_tokens"`), generates nothing, and marks the rollout truncated.
+- `stream: true` gets the same reply as server-sent events (`molt_core.chat_stream`).
 
 Images (VL policies): OpenAI `image_url` content parts carrying base64 data URIs
 (`data:image/png;base64,...`) and Anthropic base64 `image` blocks are decoded and rendered by the template as image placeholders; the
@@ -47,9 +48,10 @@ from typing import Any, Awaitable, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from molt_core import multimodal
+from molt_core.chat_stream import sse_events
 from molt_core.trajectory import Completion, ImageInput, Trajectory
 
 __all__ = ["ChatServer", "ChatSession", "parse_tool_calls", "shared_server", "shutdown_shared"]
@@ -405,7 +407,7 @@ class ChatServer:
             raise _RequestError(401, "invalid api_key for this session")
         return s
 
-    async def _handle(self, api: str, sid: str, request: Any) -> dict:
+    async def _handle(self, api: str, sid: str, request: Any) -> tuple[dict, bool]:
         s = self._session(sid, request.headers)
         try:
             body = await request.json()
@@ -413,15 +415,14 @@ class ChatServer:
             raise _RequestError(400, "the request body is not JSON") from None
         if not isinstance(body, dict):
             raise _RequestError(400, "the request body must be a JSON object")
-        if body.get("stream"):
-            raise _RequestError(400, "streaming is not supported; send stream=false")
+        stream = bool(body.get("stream"))      # the reply is generated whole either way
         if body.get("n", 1) != 1:
             raise _RequestError(400, "only n=1 is supported: run one request per sample")
         key = json.dumps([api, body], sort_keys=True)
         async with s._lock:
             s.requests += 1
             if key in s._cache:
-                return s._cache[key]
+                return s._cache[key], stream
             if api == "openai":
                 messages, tools = _openai_messages(body)
             else:
@@ -434,7 +435,7 @@ class ChatServer:
             else:
                 resp = _anthropic_response(reply, content, calls, model, s._raw_args)
             s._cache[key] = resp
-            return resp
+            return resp, stream
 
     def _app(self) -> Any:
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
@@ -448,18 +449,21 @@ class ChatServer:
             return JSONResponse({"error": {"message": str(e), "type": kind, "code": e.status}},
                                 status_code=e.status)
 
-        async def serve(api: str, session: str, request: Request) -> JSONResponse:
+        async def serve(api: str, session: str, request: Request) -> Response:
             try:
-                return JSONResponse(await self._handle(api, session, request))
+                resp, stream = await self._handle(api, session, request)
             except _RequestError as e:
                 return error(api, e)
+            if stream:
+                return StreamingResponse(sse_events(api, resp), media_type="text/event-stream")
+            return JSONResponse(resp)
 
         @app.post("/s/{session}/v1/chat/completions")
-        async def chat_completions(session: str, request: Request) -> JSONResponse:
+        async def chat_completions(session: str, request: Request) -> Response:
             return await serve("openai", session, request)
 
         @app.post("/s/{session}/v1/messages")
-        async def messages(session: str, request: Request) -> JSONResponse:
+        async def messages(session: str, request: Request) -> Response:
             return await serve("anthropic", session, request)
 
         return app

@@ -306,6 +306,78 @@ def test_tool_calls_round_trip_both_sdks(tool_model_dir, tok):
         assert "<tool_response>\n7\n</tool_response>" in tool_text and not parts[2][0]
 
 
+def test_streaming_tool_calls_both_sdks(tool_model_dir, tok):
+    """stream=True through both SDKs: the SDKs assemble the tool call and the answer from the
+    event stream, and the trajectory is token-exact as without streaming."""
+    cold = sampling(tok, temperature=0.05, max_new_tokens=40)
+
+    async def openai_side(server, rec):
+        s = server.open_session(tok, rec, cold, max_context=512)
+        client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+
+        async def ask(messages):
+            text, calls, finish = "", {}, None
+            async for chunk in await client.chat.completions.create(
+                    model="p", messages=messages, tools=[TOOL], stream=True):
+                delta = chunk.choices[0].delta
+                text += delta.content or ""
+                for c in delta.tool_calls or []:
+                    calls[c.index] = c
+                finish = chunk.choices[0].finish_reason or finish
+            return text, list(calls.values()), finish
+
+        messages = [{"role": "user", "content": QUESTION}]
+        text, (call,), finish = await ask(messages)
+        assert finish == "tool_calls" and text == "" and call.function.name == "calculator"
+        assert json.loads(call.function.arguments) == {"expression": "3 + 4"}
+        messages += [{"role": "assistant", "content": None, "tool_calls": [
+                         {"id": call.id, "type": "function", "function": {
+                             "name": "calculator", "arguments": call.function.arguments}}]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "7"}]
+        assert await ask(messages) == (ANSWER, [], "stop")
+        await client.close()
+        return server.close_session(s)
+
+    async def anthropic_side(server, rec):
+        s = server.open_session(tok, rec, cold, max_context=512)
+        client = anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key=s.api_key,
+                                          max_retries=0)
+        messages = [{"role": "user", "content": QUESTION}]
+        async with client.messages.stream(model="p", max_tokens=40, messages=messages,
+                                          tools=[ANTHROPIC_TOOL]) as stream:
+            r = await stream.get_final_message()
+        (use,) = r.content
+        assert r.stop_reason == "tool_use"
+        assert (use.type, use.name, use.input) == ("tool_use", "calculator", {"expression": "3 + 4"})
+        messages += [{"role": "assistant", "content": [b.model_dump() for b in r.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                   "content": "7"}]}]
+        async with client.messages.stream(model="p", max_tokens=40, messages=messages,
+                                          tools=[ANTHROPIC_TOOL]) as stream:
+            texts = [t async for t in stream.text_stream]
+            r = await stream.get_final_message()
+        assert "".join(texts) == r.content[0].text == ANSWER and len(texts) > 1
+        assert r.stop_reason == "end_turn" and r.usage.output_tokens == len(rec.calls[1][1].token_ids)
+        await client.close()
+        return server.close_session(s)
+
+    async def main():
+        server = await started()
+        engine = HFEngine(str(tool_model_dir))
+        recs = [Recorder(engine), Recorder(engine)]
+        trajs = await asyncio.gather(openai_side(server, recs[0]), anthropic_side(server, recs[1]))
+        await server.close()
+        return trajs, recs
+
+    trajs, recs = run(main())
+    for traj, rec in zip(trajs, recs):
+        assert traj.segments == [0] and len(rec.calls) == 2
+        parts = runs(traj)
+        assert [p[0] for p in parts] == [False, True, False, True]
+        assert [p[1] for p in parts if p[0]] == [c.token_ids for _, c in rec.calls]
+        assert [p[2] for p in parts if p[0]] == [c.logprobs for _, c in rec.calls]
+
+
 def test_parse_tool_calls_keeps_raw_arguments():
     text = 'ok\n<tool_call>\n{"name": "f", "arguments": {"a":1,  "b": [2]}}\n</tool_call>'
     content, calls = parse_tool_calls(text)
