@@ -33,6 +33,16 @@ def _is_vl_checkpoint(path: str) -> bool:
         return False
 
 
+def _is_moe_checkpoint(path: str) -> bool:
+    try:
+        with open(Path(path) / "config.json") as f:
+            c = json.load(f)
+    except (OSError, ValueError):
+        return False
+    c = c.get("text_config", c)
+    return any((c.get(k) or 0) > 0 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
 def _have_vllm() -> bool:
     # find_spec, not import: importing vllm costs seconds on every CLI call.
     return importlib.util.find_spec("vllm") is not None
@@ -61,6 +71,15 @@ def molt_configure(cfg) -> None:  # noqa: ANN001 - Config, imported lazily
         raise ConfigError(VLLM_VL.format(path=cfg.model.path))
     if cfg.engine.name == "vllm" and not _have_vllm():
         raise ConfigError(VLLM_MISSING)
+    if (cfg.engine.name == "vllm" and cfg.trainer.moe_routing == "replay"
+            and _is_moe_checkpoint(cfg.model.path)):
+        from molt_core.engines.vllm import routed_experts_unsupported
+        reason = routed_experts_unsupported()
+        if reason:
+            raise ConfigError(
+                f"trainer.moe_routing=replay needs the engine's routed experts, but {reason}. "
+                "Use trainer.moe_routing=off or freeze_router (the trainer recomputes routing; "
+                "moe/routing_agreement is then not measured), or engine.name=hf (records routing)")
     if cfg.trainer.backend == "automodel":
         from molt_core.automodel import AUTOMODEL_MISSING, automodel_missing
         if automodel_missing():

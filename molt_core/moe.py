@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["MOE_ROUTING", "is_moe", "keep_router_fp32", "moe_gates", "routing"]
+__all__ = ["MOE_ROUTING", "config_moe_layers", "is_moe", "keep_router_fp32", "moe_gates",
+           "routing"]
 
 MOE_ROUTING = ("replay", "off", "freeze_router")
 
@@ -43,6 +45,17 @@ def moe_gates(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def is_moe(model: torch.nn.Module) -> bool:
     return bool(moe_gates(model))
+
+
+def config_moe_layers(config: Any) -> list[int]:
+    """Indices of the decoder layers with a MoE block, from an HF config alone (Qwen2/3-MoE rule:
+    every `decoder_sparse_step`-th layer not in `mlp_only_layers`); [] for dense models."""
+    c = config.get_text_config()
+    if not (getattr(c, "num_experts", 0) or getattr(c, "num_local_experts", 0)):
+        return []
+    step = getattr(c, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(c, "mlp_only_layers", None) or [])
+    return [i for i in range(c.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
 
 
 def keep_router_fp32(model: torch.nn.Module) -> None:

