@@ -15,6 +15,7 @@ Transports (`trainer.weight_sync_transport`):
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from datetime import timedelta
@@ -26,7 +27,6 @@ import torch.distributed as dist
 
 __all__ = ["Meta", "WeightGroup", "WeightSyncError", "connect", "pack", "push", "send", "unpack"]
 
-TRANSPORTS = ("ray", "broadcast")
 Meta = tuple[str, str, list[int], int]          # name, dtype ("float32"), shape, byte offset
 _ALIGN = 64
 
@@ -223,17 +223,14 @@ def pack(named: list[tuple[str, torch.Tensor]]) -> tuple[list[Meta], torch.Tenso
 
 def unpack(flat: torch.Tensor, metas: list[Meta]) -> list[tuple[str, torch.Tensor]]:
     """Views of `flat` [bytes] as the tensors `metas` describe (no copy)."""
-    out = []
-    for name, dtype, shape, off in metas:
-        dt = getattr(torch, dtype)
-        n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dt).element_size()
-        out.append((name, flat[off:off + n].view(dt).view(shape)))
-    return out
+    return [(name, flat[off:off + nbytes(dt, shape)].view(getattr(torch, dt)).view(shape))
+            for name, dt, shape, off in metas]
+
+
+def nbytes(dtype: str, shape: list[int]) -> int:
+    return math.prod(shape) * getattr(torch, dtype).itemsize
 
 
 def _nbytes(metas: list[Meta]) -> int:
-    end = 0
-    for _, dtype, shape, off in metas:
-        n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-        end = max(end, off + -(-n // _ALIGN) * _ALIGN)
-    return max(end, _ALIGN)
+    return max([off + -(-nbytes(dt, shape) // _ALIGN) * _ALIGN for _, dt, shape, off in metas]
+               + [_ALIGN])

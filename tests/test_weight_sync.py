@@ -77,7 +77,7 @@ def setup(ray_local, tiny_model_dir):
     """A 2-rank policy one optimizer step away from the checkpoint; engines A, B, C."""
     path = str(tiny_model_dir)
     engines = [probe(path) for _ in range(3)]
-    policy = Policy(path, TrainerConfig(num_ranks=2, lr=1e-2, timeout_s=60.0))
+    policy = Policy(path, TrainerConfig(num_ranks=2, lr=1e-2, timeout_s=180.0))
     train_step(policy, 0)
     ray.get([e.get_version.remote() for e in engines], timeout=120)
     yield policy, engines

@@ -61,7 +61,7 @@ import torch
 
 from molt_core import moe
 from molt_core.engines import SAMPLING_KEYS, check_sampling
-from molt_core.weight_sync import Meta, WeightGroup, unpack
+from molt_core.weight_sync import Meta, WeightGroup, nbytes, unpack
 from molt_core.trajectory import Completion
 
 __all__ = ["MoltWorkerExtension", "VLLMEngine", "SAMPLING_KEYS", "routed_experts_unsupported"]
@@ -412,8 +412,7 @@ class VLLMEngine:
         worker = (await self._rpc("molt_receive_bucket", metas))[0]
         self._stats["weight_read_s"] += worker["read_s"]
         self._stats["weight_load_s"] += worker["load_s"]
-        self._stats["weight_bytes"] += sum(
-            torch.Size(shape).numel() * getattr(torch, dt).itemsize for _, dt, shape, _ in metas)
+        self._stats["weight_bytes"] += sum(nbytes(dt, shape) for _, dt, shape, _ in metas)
         self._stats["weight_update_s"] += time.perf_counter() - t0
 
     async def _begin_update(self, version: int) -> None:
