@@ -140,7 +140,6 @@ class MoltWorkerExtension:
 
         if not getattr(self, "_molt_open", False):
             raise RuntimeError("weight bucket without molt_begin_update")
-        tensors = _checkpoint_layout(tensors)
         t1 = time.perf_counter()
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             loaded = self._molt_model().load_weights(iter(tensors))
@@ -155,6 +154,7 @@ class MoltWorkerExtension:
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.platforms import current_platform
 
         model = self._molt_model()
         missing = []
@@ -178,6 +178,13 @@ class MoltWorkerExtension:
                 method = getattr(model.get_submodule(name), "quant_method", None)
                 if method is not None and hasattr(method, "process_weights_after_loading"):
                     method.process_weights_after_loading(model.get_submodule(name))
+            if current_platform.is_cpu():
+                # vLLM 0.32 runs the MoE experts' own post-load step (CPU: grouped-GEMM prepack)
+                # on the first load only: after an update the kernel would read unpacked weights.
+                for m in model.modules():
+                    kernel = getattr(getattr(m, "quant_method", None), "moe_kernel", None)
+                    if kernel is not None:
+                        kernel.fused_experts.process_weights_after_loading(m)
         self._molt_open = False
         return []
 
@@ -469,27 +476,6 @@ class VLLMEngine:
 def _as_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().contiguous().cpu()
     return memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-
-
-def _checkpoint_layout(tensors: list[tuple[str, torch.Tensor]]
-                       ) -> list[tuple[str, torch.Tensor]]:
-    """transformers 5 keeps MoE experts fused in memory (`experts.gate_up_proj` [E, 2I, H], gate
-    rows first; `experts.down_proj` [E, H, I]) but saves them per expert, the names vLLM's loader
-    reads (Qwen2/3-MoE layout): split them into those views. vLLM accepts the fused names too and
-    loads them wrongly, without an error (engine log-probs off by ~0.1 after an update)."""
-    out = []
-    for name, t in tensors:
-        base, _, leaf = name.rpartition(".experts.")
-        if not base or leaf not in ("gate_up_proj", "down_proj") or t.dim() != 3:
-            out.append((name, t))
-            continue
-        half = t.shape[1] // 2
-        for e in range(t.shape[0]):
-            prefix = f"{base}.experts.{e}."
-            out += ([(prefix + "gate_proj.weight", t[e, :half]),
-                     (prefix + "up_proj.weight", t[e, half:])] if leaf == "gate_up_proj"
-                    else [(prefix + "down_proj.weight", t[e])])
-    return out
 
 
 def _split_routing(rows: Any, n_prompt: int, n_tokens: int, layers: list[int]
