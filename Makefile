@@ -65,7 +65,7 @@ $(VVENV)/.installed: $(VBIN)/python pyproject.toml $(addsuffix /pyproject.toml,$
 venv-vllm: $(VVENV)/.installed
 
 test-vllm: venv-vllm
-	$(VBIN)/python -m pytest -q tests/test_engine_vllm.py
+	$(VBIN)/python -m pytest -q tests/test_engine_vllm.py tests/test_moe_vllm.py
 
 clean:
 	rm -rf $(VENV) $(VVENV) .cache runs
