@@ -40,13 +40,14 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
         scheme = plugins.get("rollout_scheme", cfg.rollout.scheme)(cfg, generator, policy, engines)
         sink = MetricsSink(run_dir, cfg.trainer.steps, show=progress)
         version, alg = 0, cfg.algorithm          # version: the weights being trained
+        refill = getattr(scheme, "refill", generator.generate)   # for batch filters (DAPO)
         try:
             for step in range(cfg.trainer.steps):
                 t0 = time.perf_counter()
                 groups = scheme.next_batch(step)
                 t_gen = time.perf_counter() - t0
                 for impl in reversed(plugins.hook.molt_filter_batch.get_hookimpls()):
-                    kw = {"groups": groups, "step": step, "refill": getattr(scheme, "refill", generator.generate)}
+                    kw = {"groups": groups, "step": step, "refill": refill}
                     groups = impl.function(**{k: kw[k] for k in impl.argnames}) or groups
                 trajs = [t for g in groups for t in g]
                 rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
