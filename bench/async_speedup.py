@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from molt_core.cli import load  # noqa: E402
-from molt_core.tiny import build_tiny_model  # noqa: E402
+from molt_tools.tiny import build_tiny_model  # noqa: E402
 from molt_core.trainer import train  # noqa: E402
 
 

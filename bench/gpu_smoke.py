@@ -14,7 +14,7 @@ import tempfile
 
 from molt_core.cli import CHARSET, load
 from molt_core.metrics import configure_logging
-from molt_core.tiny import build_tiny_model
+from molt_tools.tiny import build_tiny_model
 from molt_core.trainer import train
 
 

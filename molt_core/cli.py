@@ -99,12 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     try:
         if args.cmd == "tiny-model":
-            from molt_core.tiny import build_tiny_model
+            from molt_tools.tiny import build_tiny_model
             charset = CHARSET if args.chars else None
             print(build_tiny_model(args.out_dir, arch=args.arch, seed=args.seed, charset=charset))
             return 0
         if args.cmd == "new-plugin":
-            from molt_core.scaffold import new_plugin
+            from molt_tools.scaffold import new_plugin
             try:
                 root = new_plugin(args.name, args.kind, args.dir)
             except (ValueError, FileExistsError) as e:

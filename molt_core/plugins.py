@@ -102,7 +102,7 @@ def build_plugins(plugins: list[str] = (), blocked: list[str] = ()) -> Plugins:
         pm.set_blocked(name)
     for mod in BUILTINS:
         _register(pm, importlib.import_module(mod), mod.rsplit(".", 1)[-1], info,
-                  {"distribution": "molt", "version": _version("molt")})
+                  {"distribution": "molt-core", "version": _version("molt-core")})
     eps = _entry_points()
     for name, ep in eps.items():
         if name in blocked:

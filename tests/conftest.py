@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from molt_core.tiny import build_tiny_model
+from molt_tools.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="session")

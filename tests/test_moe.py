@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from molt_core.config import TrainerConfig
 from molt_core.engines.hf import HFEngine
 from molt_core.policy import Policy
-from molt_core.tiny import build_tiny_model
+from molt_tools.tiny import build_tiny_model
 from molt_core.trajectory import Completion, InvariantError, Trajectory, collate
 from molt_grpo import ppo_clip_loss
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from molt_core.cli import main
-from molt_core.scaffold import new_plugin
+from molt_tools.scaffold import new_plugin
 
 
 def _run(cmd: list[str], cwd: Path | None = None, timeout: float = 300) -> str:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from molt_core.tiny import SPECIAL_TOKENS, build_tiny_model
+from molt_tools.tiny import SPECIAL_TOKENS, build_tiny_model
 
 TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluate arithmetic.",

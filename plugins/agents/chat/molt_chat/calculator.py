@@ -183,7 +183,7 @@ def build_model(out_dir: str | Path, *, lo: int = 2, hi: int = 9, tool_rate: flo
     from transformers import AutoTokenizer
 
     from molt_chat.imprint import imprint
-    from molt_core.tiny import CHAT_TEMPLATE, build_tiny_model
+    from molt_tools.tiny import CHAT_TEMPLATE, build_tiny_model
 
     out = Path(out_dir)
     base = build_tiny_model(out / "base", vocab_size=1024, seed=seed,

@@ -27,7 +27,7 @@ name = "{dist}"
 version = "0.1.0"
 description = "Molt plugin: {name} ({kind})"
 requires-python = ">=3.10"
-dependencies = ["molt"]
+dependencies = ["molt-core>=0.1,<0.2"]
 
 [project.optional-dependencies]
 test = ["pytest"]
