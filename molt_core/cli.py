@@ -1,47 +1,44 @@
-"""`molt run | validate | plugins | tiny-model | new-plugin`."""
+"""`molt <command>`: one entry per subcommand in `COMMANDS`; tool commands live in `molt_tools`.
+
+Each command parses its own arguments (options and `key=value` overrides in any order), so a
+usage error prints that command's usage. A command is `(help, add_args, main)`; `add_args` and
+`main` may be "module:function" strings, imported only when that command runs.
+"""
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib
 import inspect
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from molt_core.config import Config, ConfigError, load_config, to_dict
 from molt_core.plugins import KINDS, PluginError, Plugins, build_plugins
 
-__all__ = ["load", "main"]
+__all__ = ["COMMANDS", "load", "main", "parse"]
 
 CHARSET = "abcdefghijklmnopqrstuvwxyz0123456789 ?!.,:;+-*/=()"
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="molt", description="Reinforcement learning for LLM agents.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    for name, help_ in [("run", "train with a recipe"), ("validate", "check a recipe, start nothing")]:
-        s = sub.add_parser(name, help=help_)
-        s.add_argument("recipe")
-        s.add_argument("overrides", nargs="*", help="key=value, e.g. trainer.steps=50 seed=1")
-    pl = sub.add_parser("plugins", help="list loaded plugins and the hooks they implement")
-    tiny = sub.add_parser("tiny-model", help="build a tiny random-init model + tokenizer locally")
-    tiny.add_argument("out_dir")
-    tiny.add_argument("--arch", default="qwen3", choices=["qwen3", "qwen3_moe", "qwen3_vl"],
-                      help="qwen3_vl: with a tiny vision tower and its image processor")
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--chars", action="store_true",
-                      help="character-level tokenizer (a ~50-token action space for toy recipes)")
-    new = sub.add_parser("new-plugin", help="generate a plugin package (pyproject, module, test)")
-    new.add_argument("name", help="plugin (entry-point) name, a lowercase identifier")
-    new.add_argument("--kind", required=True, choices=["estimator", "agent", "rollout"])
-    new.add_argument("--dir", default=".", help="parent directory of the package (default: .)")
-    for s in (*(sub.choices[n] for n in ("run", "validate")), pl):
-        s.add_argument("--plugin", action="append", default=[], metavar="NAME",
-                       help="load and select a plugin (entry-point name or module path)")
-        s.add_argument("-p", dest="blocked", action="append", default=[], metavar="no:NAME",
-                       help="block a plugin")
-    run = sub.choices["run"]
-    run.add_argument("--no-progress", action="store_true")
-    return p
+def _plugin_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--plugin", action="append", default=[], metavar="NAME",
+                   help="load and select a plugin (entry-point name or module path)")
+    p.add_argument("-p", dest="blocked", action="append", default=[], metavar="no:NAME",
+                   help="block a plugin")
+
+
+def _recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*", default=[], metavar="key=value",
+                   help="config overrides, e.g. trainer.steps=50 seed=1 (before or after options)")
+    _plugin_args(p)
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    _recipe_args(p)
+    p.add_argument("--no-progress", action="store_true")
 
 
 def load(recipe: str | None, overrides: list[str], plugin_names: list[str] = (),
@@ -85,59 +82,110 @@ def _check_kwargs(where: str, fn: Any, kwargs: dict) -> None:
                           f"it accepts: {', '.join(sorted(names)) or '(nothing)'}")
 
 
-def _list_plugins(plugins: Plugins) -> None:
-    for name, meta in plugins.info.items():
-        provides = ", ".join(f"{k}:{e}" for (k, e), p in plugins.owner.items() if p == name)
-        print(f"{name}  ({meta['distribution']} {meta['version']})\n"
-              f"    hooks:    {', '.join(plugins.hooks_of(name))}\n    provides: {provides}")
+def _validate(args: argparse.Namespace) -> int:
+    cfg, _ = load(args.recipe, args.overrides, args.plugin, args.blocked)
+    print(f"ok: {args.recipe} (estimator={cfg.algorithm.estimator}, loss={cfg.algorithm.loss}"
+          f", agent={cfg.agent.name}, scheme={cfg.rollout.scheme}, engine={cfg.engine.name})")
+    return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = _parser().parse_args(argv)
-    from molt_core.metrics import configure_logging
-    configure_logging()
-    try:
-        if args.cmd == "tiny-model":
-            from molt_tools.tiny import build_tiny_model
-            charset = CHARSET if args.chars else None
-            print(build_tiny_model(args.out_dir, arch=args.arch, seed=args.seed, charset=charset))
-            return 0
-        if args.cmd == "new-plugin":
-            from molt_tools.scaffold import new_plugin
-            try:
-                root = new_plugin(args.name, args.kind, args.dir)
-            except (ValueError, FileExistsError) as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 2
-            print(f"created {root}\nnext: pip install -e {root} && pytest {root}/tests && "
-                  f"molt run RECIPE --plugin {args.name}")
-            return 0
-        if args.cmd == "plugins":
-            _list_plugins(build_plugins(args.plugin, args.blocked))
-            return 0
-        cfg, plugins = load(args.recipe, args.overrides, args.plugin, args.blocked)
-        if args.cmd == "validate":
-            print(f"ok: {args.recipe} (estimator={cfg.algorithm.estimator}, loss={cfg.algorithm.loss}"
-                  f", agent={cfg.agent.name}, scheme={cfg.rollout.scheme}, engine={cfg.engine.name})")
-            return 0
-    except (ConfigError, PluginError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def _run(args: argparse.Namespace) -> int:
+    cfg, plugins = load(args.recipe, args.overrides, args.plugin, args.blocked)
     from molt_core.metrics import make_run_dir
     from molt_core.trainer import train
     run_dir = make_run_dir(cfg.out_dir, cfg.name, to_dict(cfg), plugins.info, cfg.seed,
-                           ["molt", *argv])
+                           ["molt", *args.argv])
     print(f"run dir: {run_dir}", file=sys.stderr)
-    try:
-        history = train(cfg, plugins, run_dir, progress=not args.no_progress)
-    except ConfigError as e:       # found once Ray is up: the cluster cannot hold the run
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    history = train(cfg, plugins, run_dir, progress=not args.no_progress)
     if history:
         first, last = history[0]["reward/mean"], history[-1]["reward/mean"]
         print(f"reward: first step {first:.3f} -> last step {last:.3f} ({len(history)} steps)")
     return 0
+
+
+def _plugins(args: argparse.Namespace) -> int:
+    plugins = build_plugins(args.plugin, args.blocked)
+    for name, meta in plugins.info.items():
+        provides = ", ".join(f"{k}:{e}" for (k, e), p in plugins.owner.items() if p == name)
+        print(f"{name}  ({meta['distribution']} {meta['version']})\n"
+              f"    hooks:    {', '.join(plugins.hooks_of(name))}\n    provides: {provides}")
+    return 0
+
+
+# name -> (help, add_args(parser), main(args) -> exit code); strings are "module:function".
+COMMANDS: dict[str, tuple[str, Callable | str, Callable | str]] = {
+    "run": ("train with a recipe", _run_args, _run),
+    "validate": ("check a recipe, start nothing", _recipe_args, _validate),
+    "plugins": ("list loaded plugins and the hooks they implement", _plugin_args, _plugins),
+    "tiny-model": ("build a tiny random-init model + tokenizer locally",
+                   "molt_tools.tiny:add_args", "molt_tools.tiny:main"),
+    "new-plugin": ("generate a plugin package (pyproject, module, test)",
+                   "molt_tools.scaffold:add_args", "molt_tools.scaffold:main"),
+}
+
+
+def _resolve(target: Callable | str) -> Callable:
+    if callable(target):
+        return target
+    module, fn = target.split(":")
+    return getattr(importlib.import_module(module), fn)
+
+
+def _version() -> str:
+    from molt_core import HOOK_API_VERSION, __version__
+    lines = [f"molt-core {__version__} (hook API {HOOK_API_VERSION})"]
+    try:
+        plugins = build_plugins()
+    except PluginError as e:
+        return "\n".join([*lines, f"plugins: error: {e}"])
+    lines += [f"  {n}: {m['distribution']} {m['version']}" for n, m in sorted(plugins.info.items())
+              if n != "builtin"]
+    return "\n".join(lines)
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    width = max(map(len, COMMANDS)) + 2
+    listing = "\n".join(f"  {n:<{width}}{h}" for n, (h, _, _) in COMMANDS.items())
+    p = argparse.ArgumentParser(prog="molt", usage="molt [--version] COMMAND [ARGS]",
+                                description="Reinforcement learning for LLM agents.",
+                                epilog=f"commands:\n{listing}\n\n`molt COMMAND -h` for its options",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="store_true", help="core, hook API and plugin versions")
+    p.add_argument("command", nargs="?", metavar="COMMAND")
+    return p
+
+
+def parse(argv: list[str]) -> argparse.Namespace | None:
+    """The command's arguments (`.command`, `.argv` added); None after `--version`."""
+    top = _top_parser()
+    split = next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))
+    ns = top.parse_args(argv[:split + 1])
+    if ns.version:
+        print(_version())
+        return None
+    if ns.command not in COMMANDS:
+        close = difflib.get_close_matches(ns.command or "", COMMANDS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        top.error(f"unknown command {ns.command!r}{hint}" if ns.command else "a COMMAND is required")
+    help_, add_args, _ = COMMANDS[ns.command]
+    sub = argparse.ArgumentParser(prog=f"molt {ns.command}", description=help_)
+    _resolve(add_args)(sub)
+    args = sub.parse_intermixed_args(argv[split + 1:])
+    args.command, args.argv = ns.command, argv
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else list(argv))
+    if args is None:
+        return 0
+    from molt_core.metrics import configure_logging
+    configure_logging()
+    try:
+        return _resolve(COMMANDS[args.command][2])(args)
+    except (ConfigError, PluginError) as e:   # ConfigError may come late (e.g. once Ray is up)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

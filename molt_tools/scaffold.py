@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import keyword
 import re
+import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 __all__ = ["KINDS", "new_plugin"]
 
@@ -346,3 +348,21 @@ def new_plugin(name: str, kind: str, directory: str | Path = ".") -> Path:
         Hooks are documented in Molt's docs/plugins.md.
         """))
     return root
+
+
+def add_args(p: Any) -> None:
+    """`molt new-plugin` options."""
+    p.add_argument("name", help="plugin (entry-point) name, a lowercase identifier")
+    p.add_argument("--kind", required=True, choices=list(_TEMPLATES))
+    p.add_argument("--dir", default=".", help="parent directory of the package (default: .)")
+
+
+def main(args: Any) -> int:
+    try:
+        root = new_plugin(args.name, args.kind, args.dir)
+    except (ValueError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"created {root}\nnext: pip install -e {root} && pytest {root}/tests && "
+          f"molt run RECIPE --plugin {args.name}")
+    return 0

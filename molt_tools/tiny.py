@@ -188,3 +188,20 @@ def _image_processor() -> Any:
     return Qwen2VLImageProcessorPil(
         size={"shortest_edge": IMAGE_SIZE ** 2, "longest_edge": (2 * IMAGE_SIZE) ** 2},
         patch_size=8, temporal_patch_size=2, merge_size=2)
+
+
+def add_args(p: Any) -> None:
+    """`molt tiny-model` options."""
+    p.add_argument("out_dir")
+    p.add_argument("--arch", default="qwen3", choices=list(ARCHS),
+                   help="qwen3_vl: with a tiny vision tower and its image processor")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chars", action="store_true",
+                   help="character-level tokenizer (a ~50-token action space for toy recipes)")
+
+
+def main(args: Any) -> int:
+    from molt_core.cli import CHARSET
+    print(build_tiny_model(args.out_dir, arch=args.arch, seed=args.seed,
+                           charset=CHARSET if args.chars else None))
+    return 0

@@ -64,8 +64,8 @@ def test_generated_plugins_install_test_and_select(tmp_path, fresh_venv, tiny_re
     assert main(["validate", tiny_recipe, "--plugin", est]) == 2
 
     # one real training step with the new estimator: scale=0 zeroes every advantage
-    out = _run([*molt, "run", tiny_recipe, "trainer.steps=1", "rollout.groups_per_step=2",
-                "algorithm.estimator_args.scale=0.0", "--plugin", est, "--no-progress"])
+    out = _run([*molt, "run", tiny_recipe, "trainer.steps=1", "--plugin", est,
+                "rollout.groups_per_step=2", "--no-progress", "algorithm.estimator_args.scale=0.0"])
     assert "reward: first step" in out
     run_dir = next((Path(yaml.safe_load(open(tiny_recipe))["out_dir"])).iterdir())
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
