@@ -61,6 +61,8 @@ def check_against_plugins(cfg: Config, plugins: Plugins) -> None:
         if key:
             section, field = key.split(".")
             plugins.get(kind, getattr(getattr(cfg, section), field))
+    for name in cfg.log.sinks:
+        plugins.get("metric_sink", name)
     _check_kwargs("algorithm.estimator_args", plugins.get("estimator", cfg.algorithm.estimator),
                   cfg.algorithm.estimator_args)
     _check_kwargs("algorithm.loss_args", plugins.get("loss", cfg.algorithm.loss),
@@ -91,7 +93,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     cfg, plugins = load(args.recipe, args.overrides, args.plugin, args.blocked)
-    from molt_core.metrics import make_run_dir
+    from molt_core.metrics import configure_logging, make_run_dir
+    configure_logging(fmt=cfg.log.format)
     from molt_core.trainer import train
     run_dir = make_run_dir(cfg.out_dir, cfg.name, to_dict(cfg), plugins.info, cfg.seed,
                            ["molt", *args.argv])

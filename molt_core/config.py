@@ -18,7 +18,7 @@ import yaml
 
 __all__ = [
     "AgentConfig", "AlgorithmConfig", "CheckConfig", "Config", "ConfigError", "EngineConfig",
-    "LossTermsConfig", "ModelConfig", "RayConfig", "RolloutConfig", "SamplingConfig",
+    "LogConfig", "LossTermsConfig", "ModelConfig", "RayConfig", "RolloutConfig", "SamplingConfig",
     "TrainerConfig", "apply_overrides", "from_dict", "load_config", "model_facts", "to_dict",
 ]
 
@@ -160,6 +160,14 @@ class RayConfig:
 
 
 @dataclass
+class LogConfig:
+    trajectories_every: int = 1          # save the trained trajectories every N steps (0: off)
+    trajectories_per_step: int = 0       # rollouts saved per saved step (0: all)
+    format: str = "console"              # console | json (structlog JSON lines on stderr)
+    sinks: list = field(default_factory=list)   # metric sinks (molt_metric_sinks): tensorboard..
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -170,6 +178,7 @@ class Config:
     agent: AgentConfig = field(default_factory=AgentConfig)
     check: CheckConfig = field(default_factory=CheckConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     seed: int = 0
     name: str = "run"
     out_dir: str = "runs"
@@ -306,6 +315,10 @@ def validate(cfg: Config) -> None:
         (cfg.engine.num_engines >= 1, "engine.num_engines must be >= 1"),
         (cfg.model.dtype in ("float32", "bfloat16", "float16"),
          f"model.dtype must be float32, bfloat16 or float16 (got {cfg.model.dtype})"),
+        (cfg.log.trajectories_every >= 0 and cfg.log.trajectories_per_step >= 0,
+         "log.trajectories_every and log.trajectories_per_step must be >= 0 (0: off / all)"),
+        (cfg.log.format in ("console", "json"),
+         f"log.format '{cfg.log.format}' unknown; valid: console, json"),
         (cfg.algorithm.loss_agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
          f"algorithm.loss_agg '{cfg.algorithm.loss_agg}' unknown; valid: token-mean, "
          "seq-mean-token-sum, seq-mean-token-mean"),

@@ -131,3 +131,13 @@ def molt_chat_agents() -> dict[str, type]:
     list[float]`; `agent.args.agent` picks it and `agent.args.agent_args` are its constructor
     arguments. One instance per rollout.
     """
+
+
+@hookspec
+def molt_metric_sinks() -> dict[str, Callable]:
+    """Register metric sinks (TensorBoard, W&B, ...), selected by `log.sinks: [name, ...]`.
+
+    Returns `{name: factory}`; `factory(run_dir: Path | None, cfg: Config) -> sink` with
+    `sink.log(step: int, metrics: dict[str, float])` (every numeric entry of the step's
+    `metrics.jsonl` row, incl. `time` and `elapsed_s`) and `sink.close()`.
+    """

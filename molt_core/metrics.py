@@ -27,12 +27,15 @@ class _Stderr:
         sys.stderr.flush()
 
 
-def configure_logging(level: str = "INFO") -> None:
-    """Called by the CLI only (never at import): key=value events on stderr."""
+def configure_logging(level: str = "INFO", fmt: str = "console") -> None:
+    """Called by the CLI only (never at import): key=value events (`fmt` json: JSON lines) on
+    stderr."""
+    json_lines = fmt == "json"
     structlog.configure(
         processors=[structlog.processors.add_log_level,
-                    structlog.processors.TimeStamper(fmt="%H:%M:%S"),
-                    structlog.dev.ConsoleRenderer(colors=False)],
+                    structlog.processors.TimeStamper(fmt="iso" if json_lines else "%H:%M:%S"),
+                    structlog.processors.JSONRenderer() if json_lines
+                    else structlog.dev.ConsoleRenderer(colors=False)],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level)),
         logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),
     )
@@ -63,10 +66,14 @@ def make_run_dir(out_dir: str, name: str, config: dict, plugins: dict, seed: int
 
 
 class MetricsSink:
-    """Appends one JSON line per step and drives a progress bar (step, reward, step time)."""
+    """Appends one JSON line per step (with wall-clock `time` and `elapsed_s`), fans it out to
+    the metric sink plugins (`log.sinks`) and drives a progress bar, or logs one line per step
+    when the bar is off."""
 
-    def __init__(self, run_dir: Path | None, total_steps: int, show: bool = True) -> None:
+    def __init__(self, run_dir: Path | None, total_steps: int, show: bool = True,
+                 sinks: list[Any] = ()) -> None:
         self.file = (run_dir / "metrics.jsonl").open("a") if run_dir else None
+        self.sinks, self.show, self.total, self.t0 = list(sinks), show, total_steps, time.time()
         self.progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
                                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                                  disable=not show, transient=False)
@@ -74,16 +81,27 @@ class MetricsSink:
         self.progress.start()
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        now = time.time()
+        row = {"step": step, "time": now, "elapsed_s": now - self.t0,
+               **{k: _plain(v) for k, v in metrics.items()}}
         if self.file:
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
-        info = f"reward {metrics.get('reward/mean', float('nan')):.3f}  " \
-               f"step {metrics.get('time/step_s', float('nan')):.2f}s"
-        self.progress.update(self.task, completed=step + 1, info=info)
+        numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+        for sink in self.sinks:
+            sink.log(step, numbers)
+        reward, step_s = row.get("reward/mean", float("nan")), row.get("time/step_s", 0.0)
+        if self.show:
+            self.progress.update(self.task, completed=step + 1,
+                                 info=f"reward {reward:.3f}  step {step_s:.2f}s")
+        else:
+            structlog.get_logger("molt").info("step", step=f"{step + 1}/{self.total}",
+                                              reward=round(reward, 4), step_s=round(step_s, 3))
 
     def close(self) -> None:
         self.progress.stop()
+        for sink in self.sinks:
+            sink.close()
         if self.file:
             self.file.close()
 

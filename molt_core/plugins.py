@@ -33,6 +33,7 @@ KINDS = {
     "config_section": ("molt_config_sections", None),
     "reward": ("molt_rewards", None),
     "chat_agent": ("molt_chat_agents", None),
+    "metric_sink": ("molt_metric_sinks", None),          # selected by log.sinks (a list)
 }
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard,
                                     register_fsdp_forward_method)
@@ -211,11 +212,13 @@ class PolicyWorker:
         critic = self._critic() if "returns" in batch else None
         if critic is not None:
             self.critic_group["lr"] = terms.get("value_lr") or self.cfg["lr"]
+        self._trained_lp = []
         for mb in self._micro_batches(batch):
             mask = mb["loss_mask"]
             moe_out: dict[str, torch.Tensor] = {}
             extras: dict[str, torch.Tensor] = {}
             lp = self._logprobs(mb, temperature, moe_out, extras, critic)
+            self._trained_lp.append(lp.detach())
             behavior = mb["behavior_logprobs"]
             if correction == "none":
                 per_token, metrics = loss_fn(lp, behavior, mb["advantages"], mask, **loss_args)
@@ -250,7 +253,7 @@ class PolicyWorker:
                 if on_policy.any():
                     max_abs = max(max_abs, float((lp - behavior)[on_policy].abs().max()))
                 k3 = float((diff.exp() - 1 - diff).sum())  # k3 estimate of KL(behavior || trainer)
-                named = {"mismatch/kl": (k3, n_tok), "mismatch_kl": (k3, n_tok),
+                named = {"mismatch/kl": (k3, n_tok),
                          "mismatch/on_policy_fraction": (float(on_policy.sum()), n_tok)}
                 rec = mb.get("routed_experts")
                 if moe_out and rec is not None:
@@ -285,6 +288,11 @@ class PolicyWorker:
         return {"loss": loss_total, "grad_norm": float(grad_norm), "sums": sums, "counts": counts,
                 "max": {"mismatch/max_abs": max_abs},
                 "time": {"train/fwd_bwd_s": t1 - t0, "train/optim_s": time.perf_counter() - t1}}
+
+    def trained_logprobs(self) -> torch.Tensor:
+        """[b, T] the log-probs the last `train_step` trained with (pre-update), 0 elsewhere."""
+        T = max(lp.shape[1] for lp in self._trained_lp)
+        return torch.cat([F.pad(lp, (0, T - lp.shape[1])) for lp in self._trained_lp]).cpu()
 
     def _clip_grads(self) -> float:
         """Clip the step's gradients to `trainer.grad_clip`; returns their total norm."""
@@ -447,6 +455,7 @@ class Policy:
         `correction`/`version`/`terms`: see `PolicyWorker.train_step`."""
         mask = batch["loss_mask"]
         num_tokens, num_seqs = int(mask.sum()), int(mask.any(-1).sum())
+        self._rows = mask.shape[0]
         outs = self._get([w.train_step.remote(part, loss_fn, loss_args or {}, loss_agg, num_tokens,
                                               num_seqs, temperature, correction,
                                               correction_args or {}, version, terms)
@@ -475,6 +484,13 @@ class Policy:
         lp = torch.cat([p[0] for p in parts])[:B]
         ids = None if parts[0][1] is None else torch.cat([p[1] for p in parts])[:B]
         return lp, ids
+
+    def trained_logprobs(self) -> torch.Tensor:
+        """[B, T] the trainer log-probs the last `train` used (pre-update), 0 where not trainable."""
+        parts = self._get([w.trained_logprobs.remote() for w in self.workers],
+                          "trained_logprobs")[::self.replicas]
+        T = max(p.shape[1] for p in parts)
+        return torch.cat([F.pad(p, (0, T - p.shape[1])) for p in parts])[:self._rows]
 
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, T] the critic's values at trainable positions (pre-update), 0 elsewhere."""

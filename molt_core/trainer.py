@@ -17,6 +17,7 @@ from molt_core.generator import Generator, version_lag_metrics
 from molt_core.metrics import MetricsSink
 from molt_core.plugins import Plugins
 from molt_core.trajectory import Trajectory, collate
+from molt_core.trajectory_store import TrajectoryWriter
 
 __all__ = ["ForwardConsistencyError", "check_consistency", "probe_consistency", "train"]
 
@@ -38,7 +39,10 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
     with cluster.start(cfg, plugins) as (policy, engines):
         generator = Generator(agent, engines, cfg, tokenizer, vocab_size)
         scheme = plugins.get("rollout_scheme", cfg.rollout.scheme)(cfg, generator, policy, engines)
-        sink = MetricsSink(run_dir, cfg.trainer.steps, show=progress)
+        sink = MetricsSink(run_dir, cfg.trainer.steps, progress,
+                           [plugins.get("metric_sink", s)(run_dir, cfg) for s in cfg.log.sinks])
+        saved = TrajectoryWriter(run_dir, tokenizer, cfg.log.trajectories_every,
+                                 cfg.log.trajectories_per_step, generator.task_of)
         version, alg = 0, cfg.algorithm          # version: the weights being trained
         refill = getattr(scheme, "refill", generator.generate)   # for batch filters (DAPO)
         try:
@@ -63,6 +67,7 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                                **generator.counters)
                 version = scheme.after_train(step)
                 t3 = time.perf_counter()
+                saved.write(step, trajs, policy)
                 if consistency_due(cfg, step) and not metrics.get("mismatch/on_policy_fraction"):
                     # async/partial: no token of this batch came from the weights just trained,
                     # so probe fresh on-policy tokens of the weights just pushed instead
@@ -77,6 +82,7 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                 history.append(metrics)
         finally:
             sink.close()
+            saved.close()
             generator.close()
     return history
 
@@ -117,8 +123,14 @@ def check_consistency(cfg: Config, step: int, metrics: dict[str, Any]) -> None:
 def rollout_metrics(trajs: list[Trajectory], rewards: torch.Tensor, adv: torch.Tensor,
                     version: int = 0) -> dict[str, float]:
     lens = torch.tensor([t.num_trainable for t in trajs], dtype=torch.float32)
-    return {**version_lag_metrics(trajs, version), "reward/mean": rewards.mean().item(), "reward/max": rewards.max().item(),
-            "reward/min": rewards.min().item(), "adv/abs_mean": adv.abs().mean().item(),
+    groups: dict[int, list[float]] = {}
+    for t in trajs:
+        groups.setdefault(t.group_id, []).append(t.reward)
+    flat = sum(max(g) == min(g) for g in groups.values()) / max(len(groups), 1)
+    return {**version_lag_metrics(trajs, version), "reward/mean": rewards.mean().item(),
+            "reward/max": rewards.max().item(), "reward/min": rewards.min().item(),
+            "reward/std": rewards.std(unbiased=False).item(), "reward/zero_std_groups": flat,
+            "adv/abs_mean": adv.abs().mean().item(),
             "response/len_mean": lens.mean().item(),
             "response/truncated": sum(t.truncated for t in trajs) / len(trajs),
             "rollout/trajectories": len(trajs)}

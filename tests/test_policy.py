@@ -124,6 +124,9 @@ def cluster(ray_local, model_path):
         ray.kill(e)
 
 
+TRAINED_LP: dict[str, list] = {}     # policy -> [(logprobs before train, trained_logprobs)]
+
+
 @pytest.fixture(scope="module")
 def trained(cluster, model_path):
     """Two identical optimizer steps on every policy (token-mean, then seq-mean-token-mean)."""
@@ -132,7 +135,9 @@ def trained(cluster, model_path):
     for seed, agg in ((0, "token-mean"), (1, "seq-mean-token-mean")):
         batch = make_batch(model_path, seed=seed)
         for name, p in policies.items():
+            before = p.logprobs(batch)
             metrics[name].append(p.train(batch, ppo_clip, {"clip": 0.2}, agg))
+            TRAINED_LP.setdefault(name, []).append((before, p.trained_logprobs()))
     params = {name: p.full_params() for name, p in policies.items()}
     return metrics, params
 
@@ -145,6 +150,15 @@ def test_two_ranks_match_one_rank(trained):
         assert {"train/fwd_bwd_s", "train/optim_s"} <= m1.keys()
     assert 0 < metrics["one"][0]["mismatch/max_abs"] < 0.3          # the injected noise
     assert_params_close(params["one"], params["two"])
+
+
+def test_trained_logprobs_are_what_the_step_trained_with(trained):
+    """What the trajectory store saves: the pre-update log-probs, across ranks and micro-batches."""
+    for name, pairs in TRAINED_LP.items():
+        for before, got in pairs:
+            assert got.shape == before.shape, name
+            assert torch.allclose(got, before, atol=1e-5), name
+            assert (got != 0).any()
 
 
 def test_micro_batches_do_not_change_the_update(trained):

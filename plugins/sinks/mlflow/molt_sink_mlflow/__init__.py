@@ -1,0 +1,52 @@
+"""MLflow metric sink: a local file store in `RUN_DIR/mlruns` by default (`mlflow ui
+--backend-store-uri RUN_DIR/mlruns`), or any `mlflow.tracking_uri`."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from molt_core import hookimpl
+
+__all__ = ["MlflowConfig", "MlflowSink"]
+
+
+@dataclass
+class MlflowConfig:
+    tracking_uri: str = ""               # empty: file store RUN_DIR/mlruns
+    experiment: str = "molt"
+
+
+class MlflowSink:
+    def __init__(self, run_dir: Path | None, cfg: Any) -> None:
+        from mlflow import MlflowClient
+        opts = cfg.plugins["mlflow"]
+        root = Path(run_dir or ".").resolve()
+        if not opts.tracking_uri:     # MLflow 3 keeps the file store but wants an explicit opt-in
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = MlflowClient(opts.tracking_uri or (root / "mlruns").as_uri())
+        exp = self.client.get_experiment_by_name(opts.experiment)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(opts.experiment)
+        self.run_id = self.client.create_run(exp_id, run_name=root.name).info.run_id
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step)
+                                                    for k, v in metrics.items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+@hookimpl
+def molt_config_sections() -> dict:
+    return {"mlflow": MlflowConfig}
+
+
+@hookimpl
+def molt_metric_sinks() -> dict:
+    return {"mlflow": MlflowSink}

@@ -1,0 +1,64 @@
+"""metrics.jsonl rows, the metric-sink fan-out (`molt_metric_sinks`), the console line per step
+and JSON log lines."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import pytest
+import torch
+
+from molt_core.cli import load
+from molt_core.metrics import MetricsSink, configure_logging
+from molt_core.plugins import PluginError
+from molt_core.trainer import rollout_metrics
+from molt_core.trajectory import Trajectory
+
+
+class Memory:
+    def __init__(self) -> None:
+        self.rows, self.closed = [], False
+
+    def log(self, step, metrics):
+        self.rows.append((step, metrics))
+
+    def close(self):
+        self.closed = True
+
+
+def test_rows_carry_time_and_fan_out_to_sinks(tmp_path, monkeypatch):
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    configure_logging(fmt="json")
+    mem = Memory()
+    sink = MetricsSink(tmp_path, 2, show=False, sinks=[mem])
+    for step in range(2):
+        sink.log(step, {"reward/mean": torch.tensor(0.5 * step), "time/step_s": 0.1, "note": "x"})
+    sink.close()
+    configure_logging()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and rows[1]["reward/mean"] == 0.5
+    assert rows[0]["time"] <= rows[1]["time"] and 0 <= rows[0]["elapsed_s"] <= rows[1]["elapsed_s"]
+    assert mem.closed and [s for s, _ in mem.rows] == [0, 1]
+    assert mem.rows[1][1] == {k: v for k, v in rows[1].items() if k not in ("step", "note")}
+    lines = [json.loads(line) for line in err.getvalue().splitlines()]     # JSON lines
+    assert [(e["event"], e["step"], e["reward"]) for e in lines] == [("step", "1/2", 0.0),
+                                                                      ("step", "2/2", 0.5)]
+
+
+def test_unknown_sink_is_a_config_error(tiny_model_dir):
+    with pytest.raises(PluginError, match="unknown metric_sink 'memory'"):
+        load(None, [f"model.path={tiny_model_dir}", "log.sinks=[memory]"])
+
+
+def test_reward_spread_metrics():
+    trajs = []
+    for group, rewards in enumerate([[1.0, 1.0], [0.0, 1.0], [0.5, 0.5]]):
+        for r in rewards:
+            trajs.append(Trajectory(group_id=group, reward=r))
+    rewards = torch.tensor([t.reward for t in trajs])
+    m = rollout_metrics(trajs, rewards, torch.zeros(6))
+    assert m["reward/zero_std_groups"] == pytest.approx(2 / 3)
+    assert m["reward/std"] == pytest.approx(rewards.std(unbiased=False).item())
