@@ -22,7 +22,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml $(addsuffix /pyproject.toml,$(P
 install: $(VENV)/.installed
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install -q $(TORCH) -e ".[test]"
+	$(BIN)/pip install -q $(TORCH) -e ".[test]" -e "plugins/agents/chat[test]"
 	touch $@
 
 install-test: $(VENV)/.installed-test

@@ -1,9 +1,10 @@
 """Loopback OpenAI + Anthropic compatible chat server with token-exact capture per rollout.
 
 A chat agent is an ordinary program that talks to `base_url` with the stock `openai` or
-`anthropic` SDK. Each rollout gets a *session* (`/s/{session}/...`, its own random bearer token);
-the server renders each request with the model's chat template, generates in token space with the
-rollout's `generate(prompt_ids, sampling) -> Completion`, and records the session's `Trajectory`:
+`anthropic` SDK (chat completions, the Responses API, Anthropic messages; `GET /v1/models`). Each
+rollout gets a *session* (`/s/{session}/...`, its own random bearer token); the server renders each
+request with the model's chat template, generates in token space with the rollout's
+`generate(prompt_ids, sampling) -> Completion`, and records the session's `Trajectory`:
 
 - If a request's messages extend the previous request's messages and the new rendering starts
   with the text the session's tokens spell, only the new suffix is tokenized (masked) and
@@ -11,21 +12,36 @@ rollout's `generate(prompt_ids, sampling) -> Completion`, and records the sessio
 - Otherwise (e.g. a template that drops earlier `<think>` blocks re-renders history) a new
   *segment* starts: the full rendering is tokenized (masked) from that point, and the trainer
   treats each segment as its own sequence (`Trajectory.split_segments`).
-- An identical retried request returns the cached reply and generates nothing.
-- A prompt that does not fit the context returns `finish_reason: "length"` (Anthropic:
-  `stop_reason: "max_tokens"`), generates nothing, and marks the rollout truncated.
+- An identical retried request (`stream` aside) returns the cached reply and generates nothing.
+  A fresh sample: resend the previous request's messages with anything else changed (e.g. a new
+  `seed`, which is not otherwise used); the new reply *replaces* the previous one in the
+  trajectory (`info["resampled"]` counts them), so "resample until valid" trains on what was kept.
+- A prompt that does not fit the context is a 400 (`context_length_exceeded`) naming both
+  lengths; the rollout is marked truncated (`info["context_overflow"]`).
+- `stop` (Anthropic `stop_sequences`) is applied to the sampled text: the reply ends before the
+  first stop string, and only the tokens before it enter the trajectory (the tokens spelling it,
+  and after it, are dropped; a token straddling its start too).
+- `logprobs` / `top_logprobs`: the log-prob of every sampled token (final stop token included),
+  equal to the trajectory's; the engine records no alternatives, so `top_logprobs` lists the
+  sampled token alone.
 - `stream: true` gets the same reply as server-sent events (`molt_core.chat_stream`).
 
 Images (VL policies): OpenAI `image_url` content parts carrying base64 data URIs
-(`data:image/png;base64,...`) and Anthropic base64 `image` blocks are decoded and rendered by the template as image placeholders; the
-images ride with the trajectory (`molt_core.multimodal`). Remote URLs are refused (400).
+(`data:image/png;base64,...`) and Anthropic base64 `image` blocks are decoded and rendered by the
+template as image placeholders; the images ride with the trajectory (`molt_core.multimodal`).
+Remote URLs are refused (400).
 
-Sampling is the run's (`sampling` given to `open_session`), never the request's: `temperature`,
-`top_p`, `stop`, ... in a request are ignored, because behavior log-probs must come from the run's
-explicit sampling. A request's `max_tokens` (or `max_completion_tokens`) only caps
-`max_new_tokens`. With `tools`, Hermes/Qwen `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
-blocks in the reply become OpenAI `tool_calls` / Anthropic `tool_use` blocks; the sampled tokens
-stay as sampled. Tool results are rendered by the template and captured masked.
+Sampling is the run's (`sampling` given to `open_session`): a request's `temperature`, `top_p`,
+`top_k`, ... that differ from it are a 400 naming the recipe key (`molt_core.chat_api`). A request's
+`max_tokens` (`max_completion_tokens`, `max_output_tokens`) only caps `max_new_tokens`. With
+`tools`, Hermes/Qwen `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks in the reply
+become OpenAI `tool_calls` / Responses `function_call` items / Anthropic `tool_use` blocks; the
+sampled tokens stay as sampled. A block that does not parse is left in the text and flagged:
+`finish_reason` / `stop_reason` `"malformed_tool_call"`, `info["malformed_tool_calls"]`. Tool
+results are rendered by the template and captured masked.
+
+Limits: a body over the session's `max_body_bytes` is a 413, JSON nested deeper than 64 levels a
+400, and large bodies are parsed, rendered and tokenized off the event loop.
 
 The server binds 127.0.0.1 only, on a random port. One server per process and event loop
 (`shared_server()`), started lazily in the running loop (the generator's), so many sessions are
@@ -38,10 +54,9 @@ import asyncio
 import contextlib
 import hmac
 import json
-import re
+import logging
 import secrets
 import socket
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -50,29 +65,48 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from molt_core import chat_api as api_
 from molt_core import multimodal
+from molt_core.chat_api import Reply, RequestError, parse_tool_calls
 from molt_core.chat_stream import sse_events
 from molt_core.trajectory import Completion, ImageInput, Trajectory
 
-__all__ = ["ChatServer", "ChatSession", "parse_tool_calls", "shared_server", "shutdown_shared"]
+__all__ = ["ChatServer", "ChatSession", "parse_tool_calls", "require_chat_template",
+           "shared_server", "shutdown_shared"]
 
 GenerateFn = Callable[..., Awaitable[Completion]]   # (prompt_ids, sampling[, images])
+MAX_BODY_BYTES = 8 * 2**20
+_BIG = 256 * 2**10            # bodies above this are parsed and tokenized in a worker thread
+_log = logging.getLogger("molt.chat_server")
 
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
-
-class _RequestError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+def require_chat_template(tokenizer: Any) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer at '{getattr(tokenizer, 'name_or_path', '?')}' has no "
+                         "chat template, which chat agents need to render messages: use an "
+                         "instruct/chat checkpoint, or set `chat_template` in its "
+                         "tokenizer_config.json (or a chat_template.jinja file)")
 
 
 @dataclass
-class _Reply:
-    text: str                       # the reply as sampled, minus the final stop token
-    finish_reason: str              # stop | length
-    prompt_tokens: int
-    completion_tokens: int
+class _Prep:
+    """A request rendered and tokenized (no session state changed yet)."""
+    rendered: str
+    messages: list[dict]
+    tools: list[dict] | None
+    mode: str                       # extend | segment | resample
+    ids: list[int]
+    images: list[ImageInput]
+
+
+@dataclass
+class _Last:
+    """The last reply, to undo it when the same messages are sent for a fresh sample."""
+    start: int
+    covered: str
+    truncated: bool
+    key: str = ""
+    malformed: bool = False
 
 
 @dataclass
@@ -86,6 +120,7 @@ class ChatSession:
     generate: GenerateFn
     sampling: dict
     max_context: int
+    max_body_bytes: int = MAX_BODY_BYTES
     trajectory: Trajectory = field(default_factory=Trajectory)
     requests: int = 0               # requests answered, cached retries included
     generations: int = 0            # engine calls made
@@ -93,12 +128,17 @@ class ChatSession:
     _seg_start: int = 0
     _messages: list[dict] | None = None   # previous request's messages (normalized)
     _tools: list[dict] | None = None
+    _last: _Last | None = None
     _cache: dict[str, dict] = field(default_factory=dict)
     _raw_args: dict[str, str] = field(default_factory=dict)  # tool call id -> arguments as sampled
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _images: multimodal.ImageEncoder | None = None
 
     def render(self, messages: list[dict], tools: list[dict] | None) -> str:
+        try:
+            require_chat_template(self.tokenizer)
+        except ValueError as e:
+            raise RequestError(500, str(e)) from None
         return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                   add_generation_prompt=True)
 
@@ -113,38 +153,77 @@ class ChatSession:
                                                        self.tokenizer)
             return self._images.encode(text, images)
         except ValueError as e:    # a bad data URI, or images for a text-only model
-            raise _RequestError(400, str(e)) from None
+            raise RequestError(400, str(e)) from None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False,
                                      clean_up_tokenization_spaces=False)
 
-    async def turn(self, messages: list[dict], tools: list[dict] | None,
-                   max_tokens: int | None) -> _Reply:
-        """Render, extend the trajectory token-exactly (or start a segment), generate, record."""
-        traj = self.trajectory
+    def prepare(self, messages: list[dict], tools: list[dict] | None) -> _Prep:
+        """Render and tokenize what the trajectory lacks; pure, so it may run in a thread."""
         rendered = self.render(messages, tools)
         prev = self._messages
-        extends = (prev is not None and tools == self._tools and len(messages) > len(prev)
-                   and messages[:len(prev)] == prev and rendered.startswith(self._covered)
-                   and len(rendered) > len(self._covered))
-        if extends:
-            new_ids, new_images = self._encode(rendered[len(self._covered):],
-                                               messages[len(prev):])
-            seg_start = self._seg_start
-        else:
-            (new_ids, new_images), seg_start = self._encode(rendered, messages), len(traj)
-        prompt = traj.token_ids[seg_start:] + new_ids
+        if self._last is not None and messages == prev and tools == self._tools:
+            return _Prep(rendered, messages, tools, "resample", [], [])
+        if (prev is not None and tools == self._tools and len(messages) > len(prev)
+                and messages[:len(prev)] == prev and rendered.startswith(self._covered)
+                and len(rendered) > len(self._covered)):
+            ids, images = self._encode(rendered[len(self._covered):], messages[len(prev):])
+            return _Prep(rendered, messages, tools, "extend", ids, images)
+        return _Prep(rendered, messages, tools, "segment", *self._encode(rendered, messages))
+
+    def _rollback(self) -> None:
+        """Drop the last reply's tokens (the prompt before it stays)."""
+        t, last = self.trajectory, self._last
+        assert last is not None
+        for name in ("token_ids", "loss_mask", "logprobs", "versions"):
+            del getattr(t, name)[last.start:]
+        if t.routed_experts is not None:
+            del t.routed_experts[last.start:]
+        t.truncated = last.truncated
+        t.info["turn_spans"].pop()
+        t.info["resampled"] = t.info.get("resampled", 0) + 1
+        if last.malformed:
+            t.info["malformed_tool_calls"] -= 1
+        self._covered = last.covered
+        self._cache.pop(last.key, None)
+
+    def _cut(self, c: Completion, stop: list[str]) -> tuple[Completion, str | None]:
+        """The completion up to (excluding) the first stop string in its text, if any."""
+        text = self._decode(c.token_ids)
+        hits = sorted((text.find(s), i, s) for i, s in enumerate(stop) if s in text)
+        if not hits:
+            return c, None
+        pos, _, s = hits[0]
+        k = 0
+        while k < len(c.token_ids) and text[:pos].startswith(self._decode(c.token_ids[:k + 1])):
+            k += 1
+        routed = c.routed_experts[:k] if c.routed_experts is not None else None
+        return Completion(c.token_ids[:k], c.logprobs[:k], c.versions[:k], "stop", routed,
+                          c.prompt_routed_experts), s
+
+    async def turn(self, prep: _Prep, max_tokens: int | None, stop: list[str] = (),
+                   key: str = "") -> Reply:
+        """Extend the trajectory token-exactly (or start a segment, or replace the last reply),
+        generate, record."""
+        traj = self.trajectory
+        if prep.mode == "resample":
+            self._rollback()
+        seg_start = len(traj) if prep.mode == "segment" else self._seg_start
+        prompt = traj.token_ids[seg_start:] + prep.ids
         room = self.max_context - len(prompt)
         if room < 1:
             traj.truncated = True
             traj.info["context_overflow"] = traj.info.get("context_overflow", 0) + 1
-            return _Reply("", "length", len(prompt), 0)
-        if not extends and len(traj):
+            raise RequestError(400, f"the prompt is {len(prompt)} tokens but the model's context "
+                                    f"is {self.max_context} tokens (max_position_embeddings), "
+                                    "which must leave room for a reply: shorten the conversation",
+                               "context_length_exceeded")
+        if prep.mode == "segment" and len(traj):
             traj.segments.append(seg_start)
         self._seg_start = seg_start
-        traj.add_prompt(new_ids, new_images)
-        self._covered, self._messages, self._tools = rendered, messages, tools
+        traj.add_prompt(prep.ids, prep.images)
+        self._covered, self._messages, self._tools = prep.rendered, prep.messages, prep.tools
         cap = self.sampling["max_new_tokens"] if max_tokens is None else max_tokens
         sampling = {**self.sampling,
                     "max_new_tokens": max(1, min(self.sampling["max_new_tokens"], cap, room))}
@@ -153,170 +232,42 @@ class ChatSession:
                             else self.generate(prompt, sampling))
         self.generations += 1
         if completion.finish_reason == "abort":
-            raise _RequestError(503, "the engine aborted the generation")
+            raise RequestError(503, "the engine aborted the generation")
+        completion, stop_seq = self._cut(completion, list(stop))
         start = len(traj)
+        self._last = _Last(start, self._covered, traj.truncated, key)
         traj.add_completion(completion)
         traj.info.setdefault("turn_spans", []).append([start, len(traj)])
         ids = completion.token_ids
         self._covered += self._decode(ids)
-        body = ids[:-1] if completion.finish_reason == "stop" and ids else ids
-        return _Reply(self._decode(body), completion.finish_reason, len(prompt), len(ids))
+        eos = completion.finish_reason == "stop" and stop_seq is None and ids
+        body = ids[:-1] if eos else ids
+        return Reply(self._decode(body), completion.finish_reason, len(prompt), list(ids),
+                     list(completion.logprobs), stop_seq)
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[tuple[str, str, Any]]]:
-    """Split a Hermes/Qwen reply into (content, [(name, raw_arguments_json, arguments)]).
-
-    `raw_arguments_json` is the arguments exactly as sampled, so that an SDK echoing the call back
-    lets the template re-render the same text. Blocks that are not valid JSON with a `name` stay
-    in the content.
-    """
-    calls: list[tuple[str, str, Any]] = []
-    first = None
-    for m in _TOOL_CALL.finditer(text):
-        body = m.group(1).strip()
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            continue
-        args = obj.get("arguments", {})
-        raw = json.dumps(args, ensure_ascii=False)
-        key = re.search(r'"arguments"\s*:\s*', body)
-        if key is not None:
-            with contextlib.suppress(json.JSONDecodeError):
-                value, end = json.JSONDecoder().raw_decode(body, key.end())
-                if value == args:
-                    raw = body[key.end():end]
-        if isinstance(args, str):
-            raw = args
-        calls.append((obj["name"], raw, args))
-        first = m.start() if first is None else first
-    if not calls:
-        return text, []
-    content = text[:first]
-    return content[:-1] if content.endswith("\n") else content, calls
-
-
-def _text(content: Any) -> str:
-    """OpenAI/Anthropic content (str or list of parts) -> text."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        out = []
-        for part in content:
-            if isinstance(part, str):
-                out.append(part)
-            elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text"):
-                out.append(part.get("text", ""))
-            else:
-                raise _RequestError(400, f"unsupported content part {part.get('type')!r}: "
-                                         "only text is supported")
-        return "".join(out)
-    raise _RequestError(400, f"unsupported message content {type(content).__name__}")
-
-
-def _content(content: Any) -> str | list[dict]:
-    """OpenAI content -> text, or text and image_url parts when it holds images."""
-    if not isinstance(content, list) or not any(
-            isinstance(p, dict) and p.get("type") == "image_url" for p in content):
-        return _text(content)
-    parts: list[dict] = []
-    for p in content:
-        if isinstance(p, dict) and p.get("type") == "image_url":
-            url = p.get("image_url")
-            url = url.get("url") if isinstance(url, dict) else url
-            if not isinstance(url, str):
-                raise _RequestError(400, "image_url part without a url")
-            parts.append({"type": "image_url", "image_url": {"url": url}})
-        else:
-            parts.append({"type": "text", "text": _text([p])})
-    return parts
-
-
-def _openai_messages(body: dict) -> tuple[list[dict], list[dict] | None]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise _RequestError(400, "'messages' must be a non-empty list")
-    out = []
-    for m in msgs:
-        role = m.get("role")
-        if role == "developer":
-            role = "system"
-        if role not in ("system", "user", "assistant", "tool"):
-            raise _RequestError(400, f"unsupported message role {role!r}")
-        msg: dict[str, Any] = {"role": role, "content": _content(m.get("content"))}
-        if role == "assistant" and m.get("tool_calls"):
-            msg["tool_calls"] = [
-                {"id": c.get("id"), "type": "function",
-                 "function": {"name": c["function"]["name"],
-                              "arguments": c["function"].get("arguments", "{}")}}
-                for c in m["tool_calls"]]
-        if role == "tool":
-            msg["tool_call_id"] = m.get("tool_call_id")
-        out.append(msg)
-    tools = body.get("tools") or None
-    return out, tools
-
-
-def _anthropic_messages(body: dict, raw_args: dict[str, str]) -> tuple[list[dict], list[dict] | None]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise _RequestError(400, "'messages' must be a non-empty list")
-    out: list[dict] = []
-    if body.get("system"):
-        out.append({"role": "system", "content": _text(body["system"])})
-    for m in msgs:
-        role, content = m.get("role"), m.get("content")
-        if role not in ("user", "assistant"):
-            raise _RequestError(400, f"unsupported message role {role!r}")
-        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content or []
-        text, calls, results = [], [], []
-        for b in blocks:
-            kind = b.get("type")
-            if kind == "text":
-                text.append(b.get("text", ""))
-            elif kind == "tool_use" and role == "assistant":
-                raw = raw_args.get(b.get("id", ""))
-                args: Any = raw if raw is not None and json.loads(raw) == b.get("input") \
-                    else b.get("input", {})
-                calls.append({"id": b.get("id"), "type": "function",
-                              "function": {"name": b["name"], "arguments": args}})
-            elif kind == "image" and role == "user":
-                src = b.get("source") or {}
-                if src.get("type") != "base64":
-                    raise _RequestError(400, "image blocks must carry base64 data (source type "
-                                             "'base64'): fetching remote images is not supported")
-                text.append({"type": "image_url", "image_url": {
-                    "url": f"data:{src.get('media_type', 'image/png')};base64,{src.get('data')}"}})
-            elif kind == "tool_result" and role == "user":
-                results.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
-                                "content": _text(b.get("content"))})
-            else:
-                raise _RequestError(400, f"unsupported {role} content block {kind!r}")
-        out += results
-        if role == "assistant":
-            msg: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
-            if calls:
-                msg["tool_calls"] = calls
-            out.append(msg)
-        elif text or not results:
-            out.append({"role": "user", "content": _content(
-                [{"type": "text", "text": t} if isinstance(t, str) else t for t in text])})
-    tools = [{"type": "function", "function": {"name": t["name"],
-                                                "description": t.get("description", ""),
-                                                "parameters": t.get("input_schema", {})}}
-             for t in body.get("tools") or []] or None
-    return out, tools
-
-
-def _max_tokens(body: dict) -> int | None:
-    n = body.get("max_completion_tokens", body.get("max_tokens"))
-    if n is not None and (not isinstance(n, int) or n < 1):
-        raise _RequestError(400, f"max_tokens must be a positive integer, got {n!r}")
+def _max_tokens(body: dict, api: str) -> int | None:
+    keys = {"openai": ("max_completion_tokens", "max_tokens"), "anthropic": ("max_tokens",),
+            "responses": ("max_output_tokens",)}[api]
+    n = next((body[k] for k in keys if body.get(k) is not None), None)
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise RequestError(400, f"'{keys[-1]}' must be a positive integer, got {n!r}")
     return n
+
+
+async def _read_body(request: Any, limit: int) -> bytes:
+    too_big = RequestError(413, f"the request body is over this session's limit of {limit} "
+                                "bytes (chat agent option max_request_mb)")
+    n = request.headers.get("content-length", "")
+    if n.isdigit() and int(n) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class _Uvicorn:
@@ -379,10 +330,12 @@ class ChatServer:
         self._sock.close()
 
     def open_session(self, tokenizer: Any, generate: GenerateFn, sampling: dict, *,
-                     max_context: int) -> ChatSession:
+                     max_context: int, max_body_bytes: int = MAX_BODY_BYTES) -> ChatSession:
+        require_chat_template(tokenizer)
         sid = secrets.token_hex(8)
         s = ChatSession(sid, "molt-" + secrets.token_urlsafe(24), f"{self.url}/s/{sid}/v1",
-                        f"{self.url}/s/{sid}", tokenizer, generate, dict(sampling), max_context)
+                        f"{self.url}/s/{sid}", tokenizer, generate, dict(sampling), max_context,
+                        max_body_bytes)
         self.sessions[sid] = s
         return s
 
@@ -398,62 +351,95 @@ class ChatServer:
         auth = headers.get("authorization", "")
         token = auth[7:] if auth.lower().startswith("bearer ") else headers.get("x-api-key", "")
         if not token:
-            raise _RequestError(401, "missing credentials: send 'Authorization: Bearer <api_key>' "
-                                     "or 'x-api-key: <api_key>' with the session's api_key")
+            raise RequestError(401, "missing credentials: send 'Authorization: Bearer <api_key>' "
+                                    "or 'x-api-key: <api_key>' with the session's api_key")
         s = self.sessions.get(sid)
         if s is None:
-            raise _RequestError(404, f"unknown chat session '{sid}' (closed, or never opened)")
+            raise RequestError(404, f"unknown chat session '{sid}' (closed, or never opened)")
         if not hmac.compare_digest(token.encode(), s.api_key.encode()):
-            raise _RequestError(401, "invalid api_key for this session")
+            raise RequestError(401, "invalid api_key for this session")
         return s
 
     async def _handle(self, api: str, sid: str, request: Any) -> tuple[dict, bool]:
         s = self._session(sid, request.headers)
+        raw = await _read_body(request, s.max_body_bytes)
+        big = len(raw) > _BIG
         try:
-            body = await request.json()
-        except ValueError:
-            raise _RequestError(400, "the request body is not JSON") from None
+            body = await asyncio.to_thread(json.loads, raw) if big else json.loads(raw)
+        except (ValueError, RecursionError):
+            raise RequestError(400, "the request body is not JSON (or is nested too deeply)") \
+                from None
         if not isinstance(body, dict):
-            raise _RequestError(400, "the request body must be a JSON object")
+            raise RequestError(400, "the request body must be a JSON object")
+        api_.check_depth(body)
         stream = bool(body.get("stream"))      # the reply is generated whole either way
         if body.get("n", 1) != 1:
-            raise _RequestError(400, "only n=1 is supported: run one request per sample")
-        key = json.dumps([api, body], sort_keys=True)
+            raise RequestError(400, "only n=1 is supported: run one request per sample")
+        api_.check_sampling(body, s.sampling)
+        key = json.dumps([api, {k: v for k, v in body.items()
+                                if k not in ("stream", "stream_options")}], sort_keys=True)
         async with s._lock:
             s.requests += 1
             if key in s._cache:
                 return s._cache[key], stream
             if api == "openai":
-                messages, tools = _openai_messages(body)
+                messages, tools = api_.openai_messages(body)
+            elif api == "responses":
+                messages, tools = api_.responses_messages(body)
             else:
-                messages, tools = _anthropic_messages(body, s._raw_args)
-            reply = await s.turn(messages, tools, _max_tokens(body))
-            content, calls = parse_tool_calls(reply.text) if tools else (reply.text, [])
-            model = body.get("model") or "molt-policy"
-            if api == "openai":
-                resp = _openai_response(reply, content, calls, model, s._raw_args)
-            else:
-                resp = _anthropic_response(reply, content, calls, model, s._raw_args)
+                messages, tools = api_.anthropic_messages(body, s._raw_args)
+            stop = api_.stop_strings(body, "stop_sequences" if api == "anthropic" else "stop")
+            prep = (await asyncio.to_thread(s.prepare, messages, tools) if big
+                    else s.prepare(messages, tools))
+            reply = await s.turn(prep, _max_tokens(body, api), stop, key)
+            content, calls, malformed = (parse_tool_calls(reply.text) if tools
+                                         else (reply.text, [], False))
+            if malformed and s._last is not None:
+                s._last.malformed = True
+                info = s.trajectory.info
+                info["malformed_tool_calls"] = info.get("malformed_tool_calls", 0) + 1
+            resp = self._response(api, s, body, reply, content, calls, malformed)
             s._cache[key] = resp
             return resp, stream
+
+    @staticmethod
+    def _response(api: str, s: ChatSession, body: dict, reply: Reply, content: str,
+                  calls: list, malformed: bool) -> dict:
+        if api == "anthropic":
+            return api_.anthropic_response(reply, content, calls, malformed,
+                                           body.get("model") or "molt-policy", s._raw_args)
+        top = body.get("top_logprobs") or 0
+        want = body.get("logprobs") if api == "openai" else (
+            "top_logprobs" in body or "message.output_text.logprobs" in (body.get("include") or []))
+        lps = api_.token_logprobs(reply, [s._decode([t]) for t in reply.token_ids], top) \
+            if want else None
+        if api == "openai":
+            return api_.openai_response(reply, content, calls, malformed,
+                                        body.get("model") or "molt-policy", s._raw_args, lps)
+        return api_.responses_response(reply, content, calls, malformed, body, s._raw_args, lps)
 
     def _app(self) -> Any:
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
-        def error(api: str, e: _RequestError) -> JSONResponse:
+        def error(api: str, e: RequestError) -> JSONResponse:
             kind = {400: "invalid_request_error", 401: "authentication_error",
-                    404: "not_found_error"}.get(e.status, "api_error")
+                    404: "not_found_error", 413: "invalid_request_error"}.get(e.status,
+                                                                             "api_error")
             if api == "anthropic":
                 return JSONResponse({"type": "error", "error": {"type": kind, "message": str(e)}},
                                     status_code=e.status)
-            return JSONResponse({"error": {"message": str(e), "type": kind, "code": e.status}},
+            return JSONResponse({"error": {"message": str(e), "type": kind,
+                                           "code": e.code or e.status, "param": None}},
                                 status_code=e.status)
 
         async def serve(api: str, session: str, request: Request) -> Response:
             try:
                 resp, stream = await self._handle(api, session, request)
-            except _RequestError as e:
+            except RequestError as e:
                 return error(api, e)
+            except Exception as e:     # one logged traceback and a clean 500, never ASGI noise
+                _log.exception("chat server: %s request failed", api)
+                return error(api, RequestError(500, f"internal error: {e!r}"))
             if stream:
                 return StreamingResponse(sse_events(api, resp), media_type="text/event-stream")
             return JSONResponse(resp)
@@ -462,43 +448,27 @@ class ChatServer:
         async def chat_completions(session: str, request: Request) -> Response:
             return await serve("openai", session, request)
 
+        @app.post("/s/{session}/v1/responses")
+        async def responses(session: str, request: Request) -> Response:
+            return await serve("responses", session, request)
+
         @app.post("/s/{session}/v1/messages")
         async def messages(session: str, request: Request) -> Response:
             return await serve("anthropic", session, request)
 
+        @app.get("/s/{session}/v1/models")
+        @app.get("/s/{session}/v1/models/{model}")
+        async def models(session: str, request: Request, model: str = "molt-policy") -> Response:
+            try:
+                self._session(session, request.headers)
+            except RequestError as e:
+                return error("openai", e)
+            card = {"id": model, "object": "model", "created": 0, "owned_by": "molt"}
+            if "model" in request.path_params:
+                return JSONResponse(card)
+            return JSONResponse({"object": "list", "data": [card]})
+
         return app
-
-
-def _openai_response(r: _Reply, content: str, calls: list, model: str,
-                     raw_args: dict[str, str]) -> dict:
-    msg: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
-    if calls:
-        msg["tool_calls"] = []
-        for name, raw, _ in calls:
-            cid = "call_" + secrets.token_hex(8)
-            raw_args[cid] = raw
-            msg["tool_calls"].append({"id": cid, "type": "function",
-                                      "function": {"name": name, "arguments": raw}})
-    finish = "length" if r.finish_reason == "length" else ("tool_calls" if calls else "stop")
-    return {"id": "chatcmpl-" + secrets.token_hex(8), "object": "chat.completion",
-            "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": msg, "finish_reason": finish, "logprobs": None}],
-            "usage": {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-                      "total_tokens": r.prompt_tokens + r.completion_tokens}}
-
-
-def _anthropic_response(r: _Reply, content: str, calls: list, model: str,
-                        raw_args: dict[str, str]) -> dict:
-    blocks: list[dict] = [{"type": "text", "text": content}] if content or not calls else []
-    for name, raw, args in calls:
-        cid = "toolu_" + secrets.token_hex(8)
-        raw_args[cid] = raw
-        blocks.append({"type": "tool_use", "id": cid, "name": name,
-                       "input": args if isinstance(args, dict) else {"value": args}})
-    stop = "max_tokens" if r.finish_reason == "length" else ("tool_use" if calls else "end_turn")
-    return {"id": "msg_" + secrets.token_hex(8), "type": "message", "role": "assistant",
-            "model": model, "content": blocks, "stop_reason": stop, "stop_sequence": None,
-            "usage": {"input_tokens": r.prompt_tokens, "output_tokens": r.completion_tokens}}
 
 
 _servers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -4,7 +4,9 @@ The reply is generated whole, exactly as without streaming (same tokens, same tr
 sent as the server-sent events the stock SDKs parse: OpenAI `chat.completion.chunk`s ending in
 `data: [DONE]`; Anthropic `message_start`, per block `content_block_start/delta/stop`
 (`text_delta`, or one `input_json_delta` with a tool call's input), `message_delta`,
-`message_stop`. Built from the non-streaming response dict, so both paths stay identical.
+`message_stop`; Responses `response.created`, per output item `response.output_item.added`, text /
+arguments deltas and `.done` events, `response.completed`. Built from the non-streaming response
+dict, so both paths stay identical.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ _PIECE = 8       # characters per text delta
 
 
 def sse_events(api: str, resp: dict) -> Iterator[str]:
-    return _openai(resp) if api == "openai" else _anthropic(resp)
+    return {"openai": _openai, "anthropic": _anthropic, "responses": _responses}[api](resp)
 
 
 def _pieces(text: str) -> list[str]:
@@ -32,9 +34,9 @@ def _openai(resp: dict) -> Iterator[str]:
     head = {"id": resp["id"], "object": "chat.completion.chunk", "created": resp["created"],
             "model": resp["model"]}
 
-    def chunk(delta: dict, finish: str | None = None, **extra: Any) -> str:
+    def chunk(delta: dict, finish: str | None = None, logprobs: Any = None, **extra: Any) -> str:
         return "data: " + json.dumps({**head, "choices": [
-            {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+            {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
             **extra}) + "\n\n"
 
     yield chunk({"role": "assistant", "content": ""})
@@ -42,7 +44,7 @@ def _openai(resp: dict) -> Iterator[str]:
         yield chunk({"content": piece})
     for i, call in enumerate(msg.get("tool_calls") or []):
         yield chunk({"tool_calls": [{"index": i, **call}]})
-    yield chunk({}, choice["finish_reason"], usage=resp["usage"])
+    yield chunk({}, choice["finish_reason"], choice["logprobs"], usage=resp["usage"])
     yield "data: [DONE]\n\n"
 
 
@@ -67,3 +69,39 @@ def _anthropic(resp: dict) -> Iterator[str]:
     yield event("message_delta", delta={"stop_reason": resp["stop_reason"], "stop_sequence": None},
                 usage={"output_tokens": usage["output_tokens"]})
     yield event("message_stop")
+
+
+def _responses(resp: dict) -> Iterator[str]:
+    seq = iter(range(1 << 30))
+
+    def event(kind: str, **data: Any) -> str:
+        return (f"event: {kind}\ndata: "
+                f"{json.dumps({'type': kind, 'sequence_number': next(seq), **data})}\n\n")
+
+    pending = {**resp, "status": "in_progress", "output": [], "usage": None}
+    yield event("response.created", response=pending)
+    yield event("response.in_progress", response=pending)
+    for i, item in enumerate(resp["output"]):
+        ids = {"output_index": i, "item_id": item["id"]}
+        if item["type"] == "message":
+            yield event("response.output_item.added", output_index=i,
+                        item={**item, "status": "in_progress", "content": []})
+            part = item["content"][0]
+            yield event("response.content_part.added", **ids, content_index=0,
+                        part={**part, "text": ""})
+            for piece in _pieces(part["text"]):
+                yield event("response.output_text.delta", **ids, content_index=0, delta=piece,
+                            logprobs=[])
+            yield event("response.output_text.done", **ids, content_index=0, text=part["text"],
+                        logprobs=part["logprobs"])
+            yield event("response.content_part.done", **ids, content_index=0, part=part)
+        else:
+            yield event("response.output_item.added", output_index=i,
+                        item={**item, "status": "in_progress", "arguments": ""})
+            yield event("response.function_call_arguments.delta", **ids,
+                        delta=item["arguments"])
+            yield event("response.function_call_arguments.done", **ids,
+                        arguments=item["arguments"])
+        yield event("response.output_item.done", output_index=i, item=item)
+    yield event("response.completed" if resp["status"] == "completed" else "response.incomplete",
+                response=resp)

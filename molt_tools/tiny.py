@@ -119,7 +119,7 @@ def build_char_tokenizer(charset: str, special: Sequence[str] = tuple(SPECIAL_TO
     tok.decoder = decoders.Fuse()
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD,
                                  unk_token="<unk>", additional_special_tokens=list(special[1:]),
-                                 model_max_length=512)
+                                 model_max_length=2048)
     hf.chat_template = CHAT_TEMPLATE
     return hf
 
@@ -130,7 +130,7 @@ def build_tiny_model(out_dir: str | Path, arch: str = "qwen3", *, hidden_size: i
     """Write a random-init fp32 model + tokenizer + generation_config to `out_dir`; return it.
 
     `charset` switches to a character-level tokenizer over those characters (vocab_size is then
-    the tokenizer's size). `qwen3_vl` also writes the image processor (preprocessor_config.json)."""
+    the tokenizer's size, and the context 2048 positions: a tools preamble alone is ~600 chars). `qwen3_vl` also writes the image processor (preprocessor_config.json)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown tiny-model arch '{arch}'; valid: {', '.join(ARCHS)}")
     out = Path(out_dir)
@@ -144,7 +144,7 @@ def build_tiny_model(out_dir: str | Path, arch: str = "qwen3", *, hidden_size: i
     # As in Qwen3 checkpoints: bos is <|endoftext|> in the config; nothing is prepended on encode.
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=128,
                   num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1,
-                  head_dim=32, max_position_embeddings=512, tie_word_embeddings=True,
+                  head_dim=32, max_position_embeddings=2048 if charset else 512, tie_word_embeddings=True,
                   bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id, dtype="float32")
     if arch == "qwen3":
         config = Qwen3Config(**common)
@@ -196,12 +196,16 @@ def add_args(p: Any) -> None:
     p.add_argument("--arch", default="qwen3", choices=list(ARCHS),
                    help="qwen3_vl: with a tiny vision tower and its image processor")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chars", action="store_true",
-                   help="character-level tokenizer (a ~50-token action space for toy recipes)")
+    p.add_argument("--chars", nargs="?", const="basic", choices=["basic", "tools"],
+                   help="character-level tokenizer (a ~50-token action space for toy recipes;"
+                        " 'tools': with capitals and the JSON characters tool calls need)")
 
 
 def main(args: Any) -> int:
     from molt_core.cli import CHARSET
+    # Appended, so the ids of CHARSET stay; a separate choice, since a bigger vocab would change
+    # the toy recipes' random init and action space.
+    tools = CHARSET + '{}"[]_<>\'#' + "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
     print(build_tiny_model(args.out_dir, arch=args.arch, seed=args.seed,
-                           charset=CHARSET if args.chars else None))
+                           charset={"basic": CHARSET, "tools": tools}.get(args.chars)))
     return 0

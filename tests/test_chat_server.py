@@ -1,5 +1,9 @@
 """Loopback chat server: real openai/anthropic SDKs, real uvicorn, real HFEngine on the tiny model.
 
+Also API coverage and limits: models list, the Responses API (and the stock OpenAI Agents SDK),
+logprobs, stop, sampling mismatch, malformed tool calls, fresh samples, body limits, malformed
+bodies, a missing chat template.
+
 Token identity is checked against a recorder around the engine's `generate` (the ids the engine
 returned, in call order). Tool-call tests use a tiny model imprinted in-test (a few SFT steps) to
 emit a fixed Hermes tool call, because a random-init model never emits valid JSON.
@@ -9,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import socket
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -216,21 +222,25 @@ def test_reasoning_dropping_template_segments_and_retry(tiny_model_dir, tok):
         p.check(len(tok))
 
 
-def test_context_overflow_returns_length_and_truncates(tiny_model_dir, tok):
+def test_context_overflow_is_a_400_naming_both_lengths(tiny_model_dir, tok):
     async def main():
         server, rec = await started(), Recorder(HFEngine(str(tiny_model_dir)))
         s = server.open_session(tok, rec, sampling(tok), max_context=40)
         client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
-        r = await client.chat.completions.create(
-            model="p", messages=[{"role": "user", "content": "hello " * 50}])
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(
+                model="p", messages=[{"role": "user", "content": "hello " * 50}])
         await client.close()
         traj = server.close_session(s)
         await server.close()
-        return r, traj, rec
+        return e.value, traj, rec
 
-    r, traj, rec = run(main())
-    assert r.choices[0].finish_reason == "length" and r.choices[0].message.content == ""
-    assert traj.truncated and not rec.calls and len(traj) == 0
+    err, traj, rec = run(main())
+    n = len(tok(render(tok, [{"role": "user", "content": "hello " * 50}]),
+                add_special_tokens=False).input_ids)
+    assert err.code == "context_length_exceeded"
+    assert f"the prompt is {n} tokens" in err.message and "context is 40 tokens" in err.message
+    assert traj.truncated and traj.info["context_overflow"] == 1 and not rec.calls
 
 
 @pytest.fixture(scope="module")
@@ -380,10 +390,12 @@ def test_streaming_tool_calls_both_sdks(tool_model_dir, tok):
 
 def test_parse_tool_calls_keeps_raw_arguments():
     text = 'ok\n<tool_call>\n{"name": "f", "arguments": {"a":1,  "b": [2]}}\n</tool_call>'
-    content, calls = parse_tool_calls(text)
+    content, calls, malformed = parse_tool_calls(text)
     assert content == "ok" and calls == [("f", '{"a":1,  "b": [2]}', {"a": 1, "b": [2]})]
+    assert not malformed
     assert parse_tool_calls("<tool_call>not json</tool_call>") == (
-        "<tool_call>not json</tool_call>", [])
+        "<tool_call>not json</tool_call>", [], True)
+    assert parse_tool_calls("<tool_call>{")[2] and not parse_tool_calls("no call")[2]
 
 
 def _post(url: str, headers: dict) -> int:
@@ -462,3 +474,348 @@ def test_generator_close_shuts_the_shared_server_down(tiny_model_dir):
     gen.close()
     with pytest.raises(OSError):
         socket.create_connection((server.host, server.port), timeout=2).close()
+
+
+MALFORMED = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 + 4"}\n</tool_call>'
+COUNT = "one two three four"
+
+
+@pytest.fixture(scope="module")
+def api_model_dir(tiny_model_dir, tok, tmp_path_factory) -> Path:
+    """Imprinted: QUESTION -> calculator call -> answer; "Break it." -> a malformed call;
+    "Count." -> COUNT."""
+    from molt_chat.imprint import imprint
+
+    q = [{"role": "user", "content": QUESTION}]
+    done = q + [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function",
+                 "function": {"name": "calculator", "arguments": '{"expression": "3 + 4"}'}}]},
+                {"role": "tool", "tool_call_id": "c", "content": "7"}]
+    pairs = [(render(tok, q, [TOOL]), CALL + "<|im_end|>"),
+             (render(tok, done, [TOOL]), "The answer is 7.<|im_end|>"),
+             (render(tok, [{"role": "user", "content": "Break it."}], [TOOL]),
+              MALFORMED + "<|im_end|>"),
+             (render(tok, [{"role": "user", "content": "Count."}]), COUNT + "<|im_end|>")]
+    return imprint(tiny_model_dir, tmp_path_factory.mktemp("api"), pairs, tol=0.005)
+
+
+def cold(tok):
+    return sampling(tok, temperature=0.05, max_new_tokens=40)
+
+
+def post(url: str, key: str, body: bytes | dict, method: str = "POST") -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data if method == "POST" else None, method=method,
+                                 headers={"content-type": "application/json",
+                                          "authorization": f"Bearer {key}", "x-api-key": key})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_models_list_logprobs_and_fresh_sample(tiny_model_dir, tok):
+    async def main():
+        server, rec = await started(), Recorder(HFEngine(str(tiny_model_dir), seed=4))
+        s = server.open_session(tok, rec, sampling(tok, max_new_tokens=6), max_context=512)
+        client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+        models = [m.id for m in (await client.models.list()).data]
+        messages = [{"role": "user", "content": "hi"}]
+        r1 = await client.chat.completions.create(model="p", messages=messages, logprobs=True,
+                                                  top_logprobs=2)
+        again = await client.chat.completions.create(model="p", messages=messages, logprobs=True,
+                                                     top_logprobs=2)
+        assert again.model_dump() == r1.model_dump() and len(rec.calls) == 1
+        fresh = await client.chat.completions.create(model="p", messages=messages, seed=1,
+                                                     logprobs=True)
+        messages += [{"role": "assistant", "content": fresh.choices[0].message.content},
+                     {"role": "user", "content": "more"}]
+        rendered = [render(tok, messages[:1]), render(tok, messages)]
+        r3 = await client.chat.completions.create(model="p", messages=messages)
+        await client.close()
+        traj = server.close_session(s)
+        await server.close()
+        return models, r1, fresh, r3, traj, rec, rendered
+
+    models, r1, fresh, r3, traj, rec, rendered = run(main())
+    assert models == ["molt-policy"]
+    lp = r1.choices[0].logprobs.content
+    assert [e.logprob for e in lp] == rec.calls[0][1].logprobs
+    assert [e.token for e in lp] == [decode(tok, [t]) for t in rec.calls[0][1].token_ids]
+    assert all([t.token for t in e.top_logprobs] == [e.token] for e in lp)
+    # The fresh sample replaced the first reply: the trajectory holds calls 2 and 3 only.
+    assert len(rec.calls) == 3 and traj.info["resampled"] == 1 and traj.segments == [0]
+    assert [e.logprob for e in fresh.choices[0].logprobs.content] == rec.calls[1][1].logprobs
+    rec.calls.pop(0)
+    assert_token_exact(tok, traj, rec, rendered)
+    spans = traj.info["turn_spans"]
+    assert [traj.logprobs[a:b] for a, b in spans] == [c.logprobs for _, c in rec.calls]
+
+
+def test_stop_strings_are_excluded_from_trainable_tokens(api_model_dir, tok):
+    msgs = [{"role": "user", "content": "Count."}]
+
+    async def main():
+        server, rec = await started(), Recorder(HFEngine(str(api_model_dir)))
+        s = server.open_session(tok, rec, cold(tok), max_context=512)
+        client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+        r = await client.chat.completions.create(model="p", messages=msgs, stop=["three", "zz"])
+        await client.close()
+        a = server.open_session(tok, rec, cold(tok), max_context=512)
+        aclient = anthropic.AsyncAnthropic(base_url=a.anthropic_base_url, api_key=a.api_key,
+                                           max_retries=0)
+        m = await aclient.messages.create(model="p", max_tokens=40, messages=msgs,
+                                          stop_sequences=["four"])
+        await aclient.close()
+        trajs = server.close_session(s), server.close_session(a)
+        await server.close()
+        return r, m, trajs, rec
+
+    r, m, (traj, atraj), rec = run(main())
+    assert [decode(tok, c.token_ids) for _, c in rec.calls] == [COUNT + "<|im_end|>"] * 2
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop" and text.startswith("one two")
+    assert "one two ".startswith(text)
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", "four")
+    assert m.content[0].text.startswith("one two three") and "four" not in m.content[0].text
+    for t, reply in ((traj, text), (atraj, m.content[0].text)):
+        ((_, ids, lps),) = [p for p in runs(t) if p[0]]
+        assert decode(tok, ids) == reply
+        full = rec.calls[0][1]
+        assert ids == full.token_ids[:len(ids)] and lps == full.logprobs[:len(ids)]
+        assert len(ids) < len(full.token_ids) - 1
+
+
+def test_sampling_mismatch_is_a_400_naming_the_recipe_key(tiny_model_dir, tok):
+    async def main():
+        server, rec = await started(), Recorder(HFEngine(str(tiny_model_dir)))
+        s = server.open_session(tok, rec, sampling(tok, max_new_tokens=2), max_context=512)
+        client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+        msgs = [{"role": "user", "content": "hi"}]
+        with pytest.raises(openai.BadRequestError) as e1:
+            await client.chat.completions.create(model="p", messages=msgs, temperature=0.3)
+        with pytest.raises(openai.BadRequestError) as e2:
+            await client.responses.create(model="p", input="hi", top_p=0.5)
+        with pytest.raises(openai.BadRequestError) as e3:
+            await client.chat.completions.create(model="p", messages=msgs, presence_penalty=1.0)
+        same = await client.chat.completions.create(model="p", messages=msgs, temperature=1.0)
+        await client.close()
+        aclient = anthropic.AsyncAnthropic(base_url=s.anthropic_base_url, api_key=s.api_key,
+                                           max_retries=0)
+        with pytest.raises(anthropic.BadRequestError) as e4:
+            await aclient.messages.create(model="p", max_tokens=2, messages=msgs,
+                                          extra_body={"top_k": 5})
+        await aclient.close()
+        server.close_session(s)
+        await server.close()
+        return [e1, e2, e3, e4], same, rec
+
+    errors, same, rec = run(main())
+    assert "sampling.temperature=1.0" in str(errors[0].value)
+    assert "sampling.top_p" in str(errors[1].value)
+    assert "presence_penalty" in str(errors[2].value)
+    assert "sampling.top_k" in str(errors[3].value)
+    assert same.choices[0].finish_reason in ("stop", "length") and len(rec.calls) == 1
+
+
+def test_malformed_tool_call_is_flagged(api_model_dir, tok):
+    async def main():
+        server, rec = await started(), Recorder(HFEngine(str(api_model_dir)))
+        s = server.open_session(tok, rec, cold(tok), max_context=512)
+        client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+        r = await client.chat.completions.create(
+            model="p", messages=[{"role": "user", "content": "Break it."}], tools=[TOOL])
+        await client.close()
+        traj = server.close_session(s)
+        await server.close()
+        return r, traj
+
+    r, traj = run(main())
+    assert r.choices[0].finish_reason == "malformed_tool_call"
+    assert r.choices[0].message.content == MALFORMED and not r.choices[0].message.tool_calls
+    assert traj.info["malformed_tool_calls"] == 1
+
+
+def test_responses_api_tools_streaming_and_token_exact(api_model_dir, tok):
+    """The stock openai SDK's Responses API (non-streaming, then streaming) with a function tool."""
+    rtool = {"type": "function", **TOOL["function"]}
+
+    async def main():
+        server, rec = await started(), Recorder(HFEngine(str(api_model_dir)))
+        s = server.open_session(tok, rec, cold(tok), max_context=512)
+        client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+        items: list = [{"role": "user", "content": QUESTION}]
+        r1 = await client.responses.create(model="p", input=items, tools=[rtool])
+        (call,) = r1.output
+        items += [call.model_dump(exclude_none=True),
+                  {"type": "function_call_output", "call_id": call.call_id, "output": "7"}]
+        async with client.responses.stream(model="p", input=items, tools=[rtool]) as stream:
+            deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
+            r2 = await stream.get_final_response()
+        await client.close()
+        traj = server.close_session(s)
+        await server.close()
+        return r1, call, r2, deltas, traj, rec
+
+    r1, call, r2, deltas, traj, rec = run(main())
+    assert (call.type, call.name, json.loads(call.arguments)) == (
+        "function_call", "calculator", {"expression": "3 + 4"})
+    assert r2.output_text == "".join(deltas) == "The answer is 7." and r2.status == "completed"
+    assert r1.usage.output_tokens == len(rec.calls[0][1].token_ids)
+    q = [{"role": "user", "content": QUESTION}]
+    done = q + [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function",
+                 "function": {"name": "calculator", "arguments": call.arguments}}]},
+                {"role": "tool", "tool_call_id": "c", "content": "7"}]
+    assert traj.segments == [0]
+    assert_token_exact(tok, traj, rec, [render(tok, q, [TOOL]), render(tok, done, [TOOL])])
+
+
+def test_openai_agents_sdk_agent_is_token_exact(api_model_dir, tok):
+    """A stock `agents.Agent` with a function tool (Runner.run, then Runner.run_streamed)."""
+    from agents import Agent, FunctionTool, OpenAIResponsesModel, Runner, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    seen = []
+
+    async def calculator(_, arguments: str) -> str:
+        seen.append(json.loads(arguments))
+        return "7"
+
+    fn = TOOL["function"]
+    tool = FunctionTool(name=fn["name"], description=fn["description"],
+                        params_json_schema=fn["parameters"], on_invoke_tool=calculator,
+                        strict_json_schema=False)
+
+    async def one(server, engine, streamed: bool):
+        rec = Recorder(engine)
+        s = server.open_session(tok, rec, cold(tok), max_context=512)
+        client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+        agent = Agent(name="a", model=OpenAIResponsesModel("p", client), tools=[tool])
+        if streamed:
+            result = Runner.run_streamed(agent, QUESTION)
+            async for _ in result.stream_events():
+                pass
+        else:
+            result = await Runner.run(agent, QUESTION)
+        await client.close()
+        return result.final_output, server.close_session(s), rec
+
+    async def main():
+        server, engine = await started(), HFEngine(str(api_model_dir))
+        out = [await one(server, engine, False), await one(server, engine, True)]
+        await server.close()
+        return out
+
+    q = [{"role": "user", "content": QUESTION}]
+    for final, traj, rec in run(main()):
+        assert final == "The answer is 7."
+        args = json.dumps({"expression": "3 + 4"})
+        done = q + [{"role": "assistant", "content": "", "tool_calls": [
+                     {"id": "c", "type": "function",
+                      "function": {"name": "calculator", "arguments": args}}]},
+                    {"role": "tool", "tool_call_id": "c", "content": "7"}]
+        assert traj.segments == [0] and len(rec.calls) == 2
+        assert_token_exact(tok, traj, rec, [render(tok, q, [TOOL]), render(tok, done, [TOOL])])
+    assert seen == [{"expression": "3 + 4"}] * 2
+
+
+def test_limits_and_malformed_bodies_are_clean_errors(tiny_model_dir, tok):
+    async def main():
+        server, rec = await started(), Recorder(HFEngine(str(tiny_model_dir)))
+        s = server.open_session(tok, rec, sampling(tok, max_new_tokens=2), max_context=512,
+                                max_body_bytes=600_000)
+        url = s.base_url + "/chat/completions"
+        threads = []
+        prepare = s.prepare
+        s.prepare = lambda *a: threads.append(threading.current_thread()) or prepare(*a)
+        cases = {
+            "big_ok": {"messages": [{"role": "user", "content": "hi " * 100_000}]},
+            "deep": b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            "depth_100": b'{"messages": ' + b"[" * 100 + b"]" * 100 + b"}",
+            "not_object": {"messages": [1]},
+            "tool_calls": {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{}]},
+                                        {"role": "user", "content": "hi"}]},
+            "role": {"messages": [{"role": "robot", "content": "x"}]},
+            "content": {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+            "max_tokens": {"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"},
+            "stop": {"messages": [{"role": "user", "content": "x"}], "stop": [1]},
+        }
+        codes = {k: await asyncio.to_thread(post, url, s.api_key, v) for k, v in cases.items()}
+        codes["anthropic_content"] = await asyncio.to_thread(
+            post, s.anthropic_base_url + "/v1/messages", s.api_key,
+            {"max_tokens": 2, "messages": [{"role": "user", "content": [1]}]})
+        codes["responses_input"] = await asyncio.to_thread(
+            post, s.base_url + "/responses", s.api_key, {"input": [{"type": "web_search"}]})
+        client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+        with pytest.raises(openai.APIStatusError) as e:   # urllib breaks on the early reply
+            await client.chat.completions.create(model="p", messages=[
+                {"role": "user", "content": "x" * 700_000}])
+        await client.close()
+        codes["too_big"] = e.value.status_code, e.value.body
+        codes["still_serving"] = await asyncio.to_thread(
+            post, url, s.api_key, {"messages": [{"role": "user", "content": "hi"}]})
+        server.close_session(s)
+        await server.close()
+        return codes, threads
+
+    codes, threads = run(main())
+    msg = {k: (c, json.dumps(b)) for k, (c, b) in codes.items()}
+    assert msg["too_big"][0] == 413 and "600000 bytes" in msg["too_big"][1]
+    assert msg["big_ok"][0] == 400 and "context_length_exceeded" in msg["big_ok"][1]
+    assert threads[0] is not threading.main_thread(), "a big body is tokenized off the loop"
+    assert msg["deep"][0] == 400 and "nested too deeply" in msg["deep"][1]
+    assert msg["depth_100"][0] == 400 and "deeper than 64" in msg["depth_100"][1]
+    for case, field in [("not_object", "messages[0]"), ("tool_calls",
+                         "messages[0].tool_calls[0].function"), ("role", "messages[0].role"),
+                        ("content", "messages[0].content[0].text"), ("max_tokens", "max_tokens"),
+                        ("stop", "stop[0]"), ("anthropic_content", "messages[0].content[0]"),
+                        ("responses_input", "input[0].type")]:
+        assert msg[case][0] == 400 and f"'{field}'" in msg[case][1], (case, msg[case])
+    assert msg["still_serving"][0] == 200
+
+
+def test_missing_chat_template_is_one_clear_error(tiny_model_dir, tmp_path, capsys):
+    from molt_core.chat_server import ChatServer
+    from molt_core.cli import main
+
+    model = tmp_path / "no_template"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    cfg_path = model / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("chat_template", None)
+    cfg_path.write_text(json.dumps(cfg))
+    tok = AutoTokenizer.from_pretrained(model)
+    assert tok.chat_template is None
+    with pytest.raises(ValueError, match="no chat template"):
+        ChatServer().open_session(tok, None, {}, max_context=512)
+    recipe = Path(__file__).parents[1] / "recipes/cpu/chat_calculator.yaml"
+    assert main(["validate", str(recipe), f"model.path={model}"]) == 2
+    assert "no chat template" in capsys.readouterr().err
+    assert main(["validate", str(recipe), f"model.path={tiny_model_dir}"]) == 0
+
+
+def test_tool_charset_tiny_model_serves_a_tool_agent(tmp_path):
+    """`molt tiny-model --chars tools`: the tools preamble fits and a tool call has no <unk>."""
+    from molt_core.cli import main
+
+    assert main(["tiny-model", str(tmp_path / "m"), "--chars", "tools"]) == 0
+    tok = AutoTokenizer.from_pretrained(tmp_path / "m")
+    q = [{"role": "user", "content": QUESTION}]
+    done = q + [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function",
+                 "function": {"name": "calculator", "arguments": '{"expression": "3 + 4"}'}}]},
+                {"role": "tool", "tool_call_id": "c", "content": "7"}]
+    ids = tok(render(tok, done, [TOOL]), add_special_tokens=False).input_ids
+    assert tok.unk_token_id not in ids and len(ids) < 2048
+
+    async def main_():
+        server, rec = await started(), Recorder(HFEngine(str(tmp_path / "m")))
+        s = server.open_session(tok, rec, sampling(tok, max_new_tokens=4), max_context=2048)
+        client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+        r = await client.chat.completions.create(model="p", messages=done, tools=[TOOL])
+        await client.close()
+        server.close_session(s)
+        await server.close()
+        return r
+
+    assert run(main_()).usage.completion_tokens >= 1

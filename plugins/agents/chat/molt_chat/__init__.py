@@ -15,12 +15,14 @@ support use.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from transformers import AutoConfig
 
 from molt_core import hookimpl
-from molt_core.chat_server import shared_server
+from molt_core.chat_server import require_chat_template, shared_server
+from molt_core.config import Config, ConfigError
 from molt_core.generator import RolloutContext
 from molt_core.trajectory import Trajectory
 
@@ -49,18 +51,23 @@ class ChatAgent:
 
 
 class ChatRunner:
-    """The `chat` agent: `agent.args = {agent: NAME, agent_args: {...}, max_segments: N}`.
+    """The `chat` agent: `agent.args = {agent: NAME, agent_args: {...}, max_segments: N,
+    max_request_mb: M}`.
 
     `max_segments` (optional) drops, as an agent error, rollouts whose template re-rendered
     history more than N-1 times; not needed for training (the trainer splits segments into rows).
+    `max_request_mb`: requests with a larger body get a 413.
     """
 
     def __init__(self, cfg: Any, tokenizer: Any, plugins: Any, *, agent: str,
-                 agent_args: dict | None = None, max_segments: int | None = None) -> None:
+                 agent_args: dict | None = None, max_segments: int | None = None,
+                 max_request_mb: float = 8.0) -> None:
         self.agent_cls = plugins.get("chat_agent", agent)   # registered by `molt_chat_agents`
         self.agent_args = agent_args or {}
+        require_chat_template(tokenizer)
         self.tok = tokenizer
         self.max_segments = max_segments
+        self.max_body_bytes = int(max_request_mb * 2**20)
         self.max_context = AutoConfig.from_pretrained(
             cfg.model.path).get_text_config().max_position_embeddings
 
@@ -68,7 +75,8 @@ class ChatRunner:
         agent = self.agent_cls(**self.agent_args)
         server = await shared_server()
         session = server.open_session(self.tok, ctx.generate, ctx.sampling,
-                                      max_context=self.max_context)
+                                      max_context=self.max_context,
+                                      max_body_bytes=self.max_body_bytes)
         chat = ChatContext(ctx.task, ctx.group_id, ctx.rollout_id, session.base_url,
                            session.anthropic_base_url, session.api_key)
         try:
@@ -92,11 +100,24 @@ class ChatRunner:
 
 
 @hookimpl
+def molt_configure(cfg: Config) -> None:
+    """A chat recipe needs a tokenizer with a chat template (checked when it is a local dir)."""
+    if cfg.agent.name != "chat" or not Path(cfg.model.path).is_dir():
+        return
+    from transformers import AutoTokenizer
+    try:
+        require_chat_template(AutoTokenizer.from_pretrained(cfg.model.path))
+    except ValueError as e:
+        raise ConfigError(f"agent 'chat' (model.path): {e}") from None
+
+
+@hookimpl
 def molt_agents() -> dict:
     return {"chat": ChatRunner}
 
 
 @hookimpl
 def molt_chat_agents() -> dict:
+    from molt_chat.agents_sdk import AgentsCalculator
     from molt_chat.calculator import Calculator
-    return {"calculator": Calculator}
+    return {"calculator": Calculator, "agents_calculator": AgentsCalculator}

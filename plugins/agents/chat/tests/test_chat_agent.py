@@ -87,5 +87,5 @@ def test_agent_errors_propagate_and_close_the_session(chat_tiny_dir):
 
 
 def test_unknown_chat_agent_lists_valid(chat_tiny_dir):
-    with pytest.raises(PluginError, match="unknown chat_agent 'nope'; valid: calculator"):
+    with pytest.raises(PluginError, match="unknown chat_agent 'nope'; valid: agents_calculator, calculator"):
         runner_for(chat_tiny_dir, agent="nope")
