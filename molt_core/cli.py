@@ -120,6 +120,8 @@ COMMANDS: dict[str, tuple[str, Callable | str, Callable | str]] = {
     "run": ("train with a recipe", _run_args, _run),
     "validate": ("check a recipe, start nothing", _recipe_args, _validate),
     "plugins": ("list loaded plugins and the hooks they implement", _plugin_args, _plugins),
+    "config": ("print the resolved config: every key, its value and its doc",
+               "molt_tools.config_doc:add_args", "molt_tools.config_doc:main"),
     "tiny-model": ("build a tiny random-init model + tokenizer locally",
                    "molt_tools.tiny:add_args", "molt_tools.tiny:main"),
     "new-plugin": ("generate a plugin package (pyproject, module, test)",

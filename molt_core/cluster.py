@@ -7,6 +7,7 @@ the cluster before anything starts (`check_resources`).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import tempfile
@@ -28,13 +29,18 @@ def init_ray(cfg: Config) -> bool:
     """Connect to `ray.address` or start a local Ray; returns True if this call started it."""
     if ray.is_initialized():
         return False
+    # quiet console: no weight-loading bar per actor, no notice that local Ray uses token auth
+    quiet = {"runtime_env": {"env_vars": {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}},
+             "log_to_driver": True}
     if cfg.ray.address:
-        ray.init(address=cfg.ray.address, log_to_driver=True)
+        ray.init(address=cfg.ray.address, **quiet)
         return False
     os.environ.setdefault("RAY_TMPDIR", os.path.join(tempfile.gettempdir(), "molt-ray"))
     os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
+    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+        lambda r: "Token authentication is enabled for this" not in r.getMessage())
     ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False,
-             _temp_dir=os.environ["RAY_TMPDIR"], log_to_driver=True)
+             _temp_dir=os.environ["RAY_TMPDIR"], **quiet)
     return True
 
 

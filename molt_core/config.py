@@ -38,16 +38,16 @@ class SamplingConfig:
     # Every knob is sent explicitly so a checkpoint's generation_config never changes sampling.
     temperature: float = 1.0
     top_k: int = 0                       # 0 = off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    max_new_tokens: int = 16
+    top_p: float = 1.0                   # nucleus sampling; 1 = off
+    min_p: float = 0.0                   # 0 = off
+    repetition_penalty: float = 1.0      # 1 = off
+    max_new_tokens: int = 16             # tokens per engine call (per turn)
 
 
 @dataclass
 class EngineConfig:
-    name: str = "hf"
-    num_engines: int = 1
+    name: str = "hf"                     # rollout engine: hf (embedded) | vllm
+    num_engines: int = 1                 # engine replicas (Ray actors)
     max_batch_size: int = 256            # requests decoded together in one batch
     timeout_s: float = 300.0             # one generate call
     cpus_per_engine: float = 0.0         # 0: do not reserve Ray CPUs (small CPU runs)
@@ -69,22 +69,22 @@ class TrainerConfig:
     # Parallelism: num_ranks = dp * tp * cp; dp 0 = num_ranks / (tp * cp). ep shards MoE experts
     # over dp*cp*tp ranks. tp/cp/ep need backend automodel; fsdp2 shards parameters only (dp).
     dp_size: int = 0
-    tp_size: int = 1
-    cp_size: int = 1
-    ep_size: int = 1
+    tp_size: int = 1                     # tensor parallel (automodel)
+    cp_size: int = 1                     # context parallel (not supported yet)
+    ep_size: int = 1                     # expert parallel, MoE (automodel)
     optimizer_offload: bool = False      # FSDP2 CPUOffloadPolicy: params, grads, AdamW on CPU
     gpus_per_rank: float = -1.0          # -1: 1 if the Ray cluster has GPUs, else 0
     cpus_per_rank: float = 0.0           # Ray CPUs reserved per rank (0: none, small CPU runs)
     resources: dict = field(default_factory=dict)   # custom Ray resources per rank (placement)
-    steps: int = 100
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: list = field(default_factory=lambda: [0.9, 0.999])
-    grad_clip: float = 1.0
+    steps: int = 100                     # optimizer steps (one rollout batch each)
+    lr: float = 1e-3                     # AdamW learning rate
+    weight_decay: float = 0.0            # AdamW weight decay
+    betas: list = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
+    grad_clip: float = 1.0               # max total gradient norm
     micro_batch_size: int = 64           # sequences per forward/backward on one rank
     logprob_chunk: int = 1024            # trainable tokens per lm_head chunk
     timeout_s: float = 300.0             # collectives and trainer RPCs
-    weight_sync_bucket_mb: float = 64.0
+    weight_sync_bucket_mb: float = 64.0  # tensors per weight-sync bucket
     weight_sync_timeout_s: float = 120.0   # every sync RPC and collective
     # broadcast: a gloo/NCCL group of trainer rank 0 and the engine workers (faster here, and
     # across nodes); ray: buckets as Ray objects (needed when trainer and engine share a GPU,
@@ -114,22 +114,22 @@ class LossTermsConfig:
 
 @dataclass
 class AlgorithmConfig:
-    estimator: str = "grpo"
-    estimator_args: dict = field(default_factory=dict)
-    loss: str = "ppo_clip"
-    loss_args: dict = field(default_factory=dict)
+    estimator: str = "grpo"              # advantage estimator (molt_estimators)
+    estimator_args: dict = field(default_factory=dict)  # its keyword arguments
+    loss: str = "ppo_clip"               # policy loss (molt_losses)
+    loss_args: dict = field(default_factory=dict)  # its keyword arguments
     loss_agg: str = "token-mean"         # token-mean | seq-mean-token-sum | seq-mean-token-mean
     # Off-policy correction against the engine's behavior log-probs: none | tis | icepop | mis
     # (formulas: molt_core.algos.is_correction); thresholds in correction_args: tis {cap: 2.0},
     # icepop {low: 0.5, high: 2.0}, mis {low: 0.5, high: 2.0} (on the sequence geometric mean).
     correction: str = "none"
-    correction_args: dict = field(default_factory=dict)
+    correction_args: dict = field(default_factory=dict)  # thresholds (see correction)
     terms: LossTermsConfig = field(default_factory=LossTermsConfig)
 
 
 @dataclass
 class RolloutConfig:
-    scheme: str = "sync"
+    scheme: str = "sync"                 # sync | async | partial (molt_rollout_schemes)
     groups_per_step: int = 8             # prompt groups in one training batch
     group_size: int = 8                  # rollouts per prompt group
     max_staleness: int = 0               # weight versions a trainable token may lag
@@ -142,8 +142,8 @@ class RolloutConfig:
 
 @dataclass
 class AgentConfig:
-    name: str = "gym"
-    args: dict = field(default_factory=dict)
+    name: str = "gym"                    # agent type (molt_agents): gym | chat
+    args: dict = field(default_factory=dict)   # the agent's keyword arguments
     timeout_s: float = 600.0             # one rollout
 
 
@@ -179,9 +179,9 @@ class Config:
     check: CheckConfig = field(default_factory=CheckConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    seed: int = 0
-    name: str = "run"
-    out_dir: str = "runs"
+    seed: int = 0                        # seeds sampling, init and tasks
+    name: str = "run"                    # run directory prefix
+    out_dir: str = "runs"                # run directories go under it
     plugins: dict = field(default_factory=dict)   # plugin sections: {section: dataclass instance}
 
 

@@ -17,7 +17,7 @@ __all__ = ["MlflowConfig", "MlflowSink"]
 @dataclass
 class MlflowConfig:
     tracking_uri: str = ""               # empty: file store RUN_DIR/mlruns
-    experiment: str = "molt"
+    experiment: str = "molt"             # MLflow experiment name
 
 
 class MlflowSink:

@@ -15,7 +15,7 @@ __all__ = ["WandbConfig", "WandbSink"]
 
 @dataclass
 class WandbConfig:
-    project: str = "molt"
+    project: str = "molt"                # W&B project
     entity: str = ""                     # empty: your default entity
     mode: str = "offline"                # offline | online | disabled
 
