@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
-import inspect
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 from molt_core.config import Config, ConfigError, load_config, to_dict
@@ -51,7 +51,10 @@ def load(recipe: str | None, overrides: list[str], plugin_names: list[str] = (),
     cfg = load_config(recipe, plugins.selection_overrides() + list(overrides),
                       plugins.registry["config_section"])
     check_against_plugins(cfg, plugins)
-    plugins.hook.molt_configure(cfg=cfg)
+    if not any(any(Path(cfg.model.path).glob(p)) for p in ("*.safetensors", "*.bin")):
+        raise ConfigError(f"model.path '{cfg.model.path}' has no weights (*.safetensors or "
+                          "pytorch_model*.bin): point it at a complete HF model directory")
+    plugins.hook.molt_configure(cfg=cfg, plugins=plugins)
     return cfg, plugins
 
 
@@ -63,25 +66,11 @@ def check_against_plugins(cfg: Config, plugins: Plugins) -> None:
             plugins.get(kind, getattr(getattr(cfg, section), field))
     for name in cfg.log.sinks:
         plugins.get("metric_sink", name)
-    _check_kwargs("algorithm.estimator_args", plugins.get("estimator", cfg.algorithm.estimator),
-                  cfg.algorithm.estimator_args)
-    _check_kwargs("algorithm.loss_args", plugins.get("loss", cfg.algorithm.loss),
-                  cfg.algorithm.loss_args)
-    _check_kwargs("agent.args", plugins.get("agent", cfg.agent.name), cfg.agent.args)
-    _check_kwargs("engine.args", plugins.get("engine", cfg.engine.name), cfg.engine.args)
-
-
-def _check_kwargs(where: str, fn: Any, kwargs: dict) -> None:
-    """Hyper-parameters are the keyword-only (or defaulted) parameters of a component."""
-    params = list(inspect.signature(fn).parameters.values())
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return
-    names = {p.name for p in params
-             if p.kind is p.KEYWORD_ONLY or (p.kind is p.POSITIONAL_OR_KEYWORD and p.default is not p.empty)}
-    unknown = sorted(set(kwargs) - names)
-    if unknown:
-        raise ConfigError(f"{where}: {fn.__qualname__} does not accept {', '.join(unknown)}; "
-                          f"it accepts: {', '.join(sorted(names)) or '(nothing)'}")
+    a = cfg.algorithm
+    plugins.check_args("algorithm.estimator_args", "estimator", a.estimator, a.estimator_args)
+    plugins.check_args("algorithm.loss_args", "loss", a.loss, a.loss_args)
+    plugins.check_args("agent.args", "agent", cfg.agent.name, cfg.agent.args)
+    plugins.check_args("engine.args", "engine", cfg.engine.name, cfg.engine.args)
 
 
 def _validate(args: argparse.Namespace) -> int:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +22,7 @@ __all__ = [
     "AgentConfig", "AlgorithmConfig", "CheckConfig", "Config", "ConfigError", "EngineConfig",
     "LogConfig", "LossTermsConfig", "ModelConfig", "RayConfig", "RolloutConfig", "SamplingConfig",
     "TrainerConfig", "apply_overrides", "from_dict", "load_config", "model_facts", "to_dict",
+    "type_name", "type_ok",
 ]
 
 
@@ -185,20 +188,24 @@ class Config:
     plugins: dict = field(default_factory=dict)   # plugin sections: {section: dataclass instance}
 
 
-def _type_ok(value: Any, tp: Any) -> bool:
+def type_ok(value: Any, tp: Any) -> bool:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, a) for a in typing.get_args(tp))
+        return any(type_ok(value, a) for a in typing.get_args(tp))
     if tp is Any:
         return True
     if tp is type(None):
         return value is None
     if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    tp = origin or tp
-    return isinstance(value, tp)
+    if origin is typing.Literal:
+        return value in typing.get_args(tp)
+    try:
+        return isinstance(value, origin or tp)
+    except TypeError:               # an annotation isinstance cannot check (TypeVar, ...)
+        return True
 
 
 def from_dict(cls: type, data: Any, where: str = "") -> Any:
@@ -215,13 +222,16 @@ def from_dict(cls: type, data: Any, where: str = "") -> Any:
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = from_dict(tp, value if value is not None else {}, path)
-        elif not _type_ok(value, tp):
-            want = getattr(tp, "__name__", str(tp))
-            raise ConfigError(f"config key '{path}' must be {want}, got {value!r} "
+        elif not type_ok(value, tp):
+            raise ConfigError(f"config key '{path}' must be {type_name(tp)}, got {value!r} "
                               f"({type(value).__name__})")
         else:
             kwargs[key] = float(value) if tp is float else value
     return cls(**kwargs)
+
+
+def type_name(tp: Any) -> str:
+    return "a finite float" if tp is float else getattr(tp, "__name__", str(tp))
 
 
 def to_dict(obj: Any) -> Any:
@@ -249,8 +259,18 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         # YAML 1.1 reads on/off/yes/no as booleans: on the command line they stay words
         # (trainer.moe_routing=off); booleans are written true/false.
         words = raw.lower() in ("on", "off", "yes", "no", "y", "n")
-        node[parts[-1]] = raw if words else yaml.safe_load(raw) if raw else ""
+        try:
+            node[parts[-1]] = raw if words else yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override '{item}': the value is not valid YAML "
+                              f"({_yaml_problem(e)}); quote text, close brackets") from None
     return data
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    return f"{getattr(e, 'problem', None) or e}{where}"
 
 
 def load_config(path: str | Path | None, overrides: list[str] = (),
@@ -261,8 +281,13 @@ def load_config(path: str | Path | None, overrides: list[str] = (),
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"recipe '{path}' does not exist")
-        with p.open() as f:
-            data = yaml.safe_load(f) or {}
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except UnicodeDecodeError:
+            raise ConfigError(f"recipe '{path}' is not a text file (binary?); pass a YAML "
+                              "recipe") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"recipe '{path}' is not valid YAML: {_yaml_problem(e)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"recipe '{path}' must be a YAML mapping at top level")
     data = apply_overrides(data, list(overrides))
@@ -292,6 +317,12 @@ def validate(cfg: Config) -> None:
         (t.num_ranks >= 1, f"trainer.num_ranks must be >= 1 (got {t.num_ranks})"),
         (t.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1"),
         (t.lr > 0, f"trainer.lr must be > 0 (got {t.lr})"),
+        (t.grad_clip > 0, f"trainer.grad_clip must be > 0 (got {t.grad_clip})"),
+        (len(t.betas) == 2 and all(type_ok(b, float) and 0 <= b < 1 for b in t.betas),
+         f"trainer.betas must be two numbers in [0, 1) (got {t.betas})"),
+        (re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", cfg.name),
+         f"name {cfg.name!r} must be a plain run name (letters, digits, _ . + -; no path "
+         "separators): runs go to out_dir/name-TIME"),
         (t.moe_routing in ("replay", "off", "freeze_router"),
          f"trainer.moe_routing '{t.moe_routing}' unknown; valid: replay, off, freeze_router"),
         (t.weight_sync_transport in ("ray", "broadcast"),
@@ -326,6 +357,11 @@ def validate(cfg: Config) -> None:
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
+    sections = [f.name for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name))]
+    for where, key in [(w, f.name) for w in sections for f in dataclasses.fields(getattr(cfg, w))]:
+        if key.endswith("timeout_s") and getattr(getattr(cfg, where), key) <= 0:
+            raise ConfigError(f"{where}.{key} must be > 0 seconds (got "
+                              f"{getattr(getattr(cfg, where), key)})")
     _validate_correction(cfg)
     _validate_terms(cfg.algorithm.terms)
     if not cfg.model.path:
@@ -339,9 +375,14 @@ def validate(cfg: Config) -> None:
 
 def model_facts(path: str) -> dict[str, int]:
     """From a model's config.json: `num_experts` (0: dense) and `mtp_layers` (0: no MTP head)."""
-    with open(Path(path) / "config.json") as f:
-        c = json.load(f)
-    c = {**c, **(c.get("text_config") or {})}       # VL models: the language model's config
+    try:
+        c = json.loads((Path(path) / "config.json").read_text())
+        c = {**c, **(c.get("text_config") or {})}
+        if "model_type" not in c:
+            raise ValueError("no model_type")
+    except (ValueError, AttributeError) as e:
+        raise ConfigError(f"{path}/config.json is not a valid model config ({e}); restore it from "
+                          "the model's source") from None       # VL models: the language model's config
     experts = next((c[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
                     if c.get(k)), 0)
     mtp = next((c[k] for k in ("num_nextn_predict_layers", "mtp_num_hidden_layers") if c.get(k)), 0)

@@ -13,6 +13,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from molt_core.config import Config
+    from molt_core.plugins import Plugins
     from molt_core.trajectory import Trajectory
 
 hookspec = pluggy.HookspecMarker("molt")
@@ -98,10 +99,13 @@ def molt_config_sections() -> dict[str, type]:
 
 
 @hookspec
-def molt_configure(cfg: Config) -> None:
-    """Called once after the config is loaded and before any process starts.
+def molt_configure(cfg: Config, plugins: Plugins) -> None:
+    """Called once after the config is loaded and before any process starts (take either
+    argument or both).
 
-    Raise `molt_core.config.ConfigError` to reject a combination your plugin cannot run with.
+    Raise `molt_core.config.ConfigError` to reject a combination your plugin cannot run with;
+    `plugins.check_args(where, kind, name, kwargs)` checks arguments your plugin passes on to
+    another registered entry (e.g. an agent's env).
     """
 
 

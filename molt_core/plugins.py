@@ -6,17 +6,23 @@ registration hooks are merged into a `Registry` that names the plugin behind eve
 
 from __future__ import annotations
 
+import difflib
+import functools
 import importlib
 import importlib.metadata as md
+import inspect
 import os
 import sys
+import typing
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable
 
 import pluggy
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
-from molt_core import hookspecs
+from molt_core import HOOK_API_VERSION, __version__, hookspecs
+from molt_core.config import ConfigError, type_name, type_ok
 
 __all__ = ["KINDS", "PluginError", "Plugins", "build_plugins"]
 
@@ -60,9 +66,10 @@ class Plugins:
         if name not in entries:
             valid = ", ".join(sorted(entries)) or "(none)"
             hint = f"; blocked plugins: {', '.join(self.blocked)}" if self.blocked else ""
+            dist = f"molt-{kind.replace('_', '-')}-{name}"
             raise PluginError(f"unknown {kind} '{name}'; valid: {valid}{hint}. Install the plugin "
-                              f"that provides it (e.g. pip install molt-estimator-<name>) or fix "
-                              "the name in the recipe")
+                              f"that provides it (e.g. pip install {dist}) or fix the name in "
+                              "the recipe")
         return entries[name]
 
     def selection_overrides(self) -> list[str]:
@@ -76,6 +83,33 @@ class Plugins:
                 if key and pick:
                     out.append(f"{key}={pick}")
         return out
+
+    def check_args(self, where: str, kind: str, name: str, kwargs: dict) -> None:
+        """`kwargs` (config key `where`) suit entry `name`: known keyword-only (or defaulted)
+        parameters, values matching their annotations, required keyword-only ones present."""
+        fn = self.get(kind, name)
+        what = f"{kind} '{name}' (plugin {self.owner[(kind, name)]})"
+        params = list(inspect.signature(fn).parameters.values())
+        try:
+            hints = typing.get_type_hints(fn.__init__ if inspect.isclass(fn) else fn)
+        except Exception:   # annotations that do not resolve here (TYPE_CHECKING imports): no check
+            hints = {}
+        for key, value in kwargs.items():
+            if key in hints and not type_ok(value, hints[key]):
+                raise ConfigError(f"{where}.{key}: {what} expects {type_name(hints[key])}, got "
+                                  f"{value!r} ({type(value).__name__})")
+        if any(p.kind is p.VAR_KEYWORD for p in params):
+            return
+        names = {p.name for p in params if p.kind is p.KEYWORD_ONLY
+                 or (p.kind is p.POSITIONAL_OR_KEYWORD and p.default is not p.empty)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(f"{where}: {what} does not accept {', '.join(unknown)}; "
+                              f"it accepts: {', '.join(sorted(names)) or '(nothing)'}")
+        missing = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty
+                   and p.name not in kwargs]
+        if missing:
+            raise ConfigError(f"{where}: {what} needs {', '.join(missing)}")
 
     def hooks_of(self, name: str) -> list[str]:
         plugin = self.pm.get_plugin(name)
@@ -117,21 +151,55 @@ def build_plugins(plugins: list[str] = (), blocked: list[str] = ()) -> Plugins:
             continue
         try:
             module = importlib.import_module(name)
-        except ImportError:
+        except ImportError as e:
+            if not name.startswith(e.name or "\0"):        # the module exists; its import failed
+                raise PluginError(f"plugin module '{name}' failed to import: {e}") from None
             valid = ", ".join(sorted(set(eps) | {n for n in info if n != "builtin"})) or "(none)"
             raise PluginError(f"unknown plugin '{name}'; installed plugins: {valid}. Install it "
                               "(pip install <package>) or pass an importable module path") from None
+        except Exception as e:  # a broken plugin must name itself
+            raise PluginError(f"plugin module '{name}' failed to import: {type(e).__name__}: "
+                              f"{e}") from None
         _register(pm, module, name, info, {"distribution": "(module)", "version": "-"})
-    try:
-        pm.check_pending()
-    except pluggy.PluginValidationError as e:
-        specs = sorted(n for n in dir(pm.hook) if n.startswith("molt_"))
-        raise PluginError(f"{e}; valid molt hooks: {', '.join(specs)}") from None
-    if os.environ.get("MOLT_TRACE_PLUGINS"):
-        pm.trace.root.setwriter(lambda msg: print(msg, end="", file=sys.stderr))
-        pm.enable_tracing()
+    _check_hook_names(pm)
+    trace = bool(os.environ.get("MOLT_TRACE_PLUGINS"))
+    if trace:       # every hook implementation, however it is called (pluggy or directly)
+        for hook in (getattr(pm.hook, n) for n in dir(pm.hook) if n.startswith("molt_")):
+            for impl in hook.get_hookimpls():
+                impl.function = _traced(impl.function, f"hook {hook.name}", impl.plugin_name)
     registry, owner = _merge(pm)
+    if trace:
+        for kind, entries in registry.items():
+            for entry, obj in entries.items():
+                if inspect.isfunction(obj):
+                    entries[entry] = _traced(obj, f"{kind} '{entry}'", owner[(kind, entry)])
     return Plugins(pm, info, registry, owner, list(plugins), blocked)
+
+
+def _check_hook_names(pm: pluggy.PluginManager) -> None:
+    """A misspelled hook would silently never run: name it, the plugin and the closest hook."""
+    valid = sorted(n for n in dir(pm.hook) if n.startswith("molt_") and getattr(pm.hook, n).spec)
+    for name in sorted(n for n in dir(pm.hook) if n.startswith("molt_") and n not in valid):
+        owners = ", ".join(i.plugin_name for i in getattr(pm.hook, name).get_hookimpls())
+        close = difflib.get_close_matches(name, valid, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise PluginError(f"plugin '{owners}' implements unknown hook '{name}'; {hint}valid molt "
+                          f"hooks: {', '.join(valid)}")
+    pm.check_pending()
+
+
+def _traced(fn: Callable, what: str, plugin: str) -> Callable:
+    """`fn` printing each call (MOLT_TRACE_PLUGINS=1); signature and attributes kept."""
+    def show(v: Any) -> str:
+        shape = getattr(v, "shape", None)
+        return f"[{', '.join(map(str, shape))}]" if shape is not None else repr(v)[:40]
+
+    @functools.wraps(fn)
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        shown = [show(a) for a in args] + [f"{k}={show(v)}" for k, v in kwargs.items()]
+        print(f"molt trace: {what} (plugin {plugin})({', '.join(shown)})", file=sys.stderr)
+        return fn(*args, **kwargs)
+    return traced
 
 
 def _version(dist: str) -> str:
@@ -150,6 +218,17 @@ def _load(ep: md.EntryPoint) -> ModuleType:
 
 
 def _register(pm: pluggy.PluginManager, module: Any, name: str, info: dict, meta: dict) -> None:
+    want = getattr(module, "MOLT_HOOK_API", None)
+    try:
+        ok = want is None or str(HOOK_API_VERSION) in SpecifierSet(str(want))
+    except InvalidSpecifier:
+        raise PluginError(f"plugin '{name}': MOLT_HOOK_API = {want!r} is not a version range "
+                          "(e.g. '>=1,<2')") from None
+    if not ok:
+        raise PluginError(f"plugin '{name}' ({meta['distribution']} {meta['version']}) supports "
+                          f"molt hook API {want}, but molt-core {__version__} has hook API "
+                          f"{HOOK_API_VERSION}: install a plugin version made for it, or a "
+                          "molt-core it supports")
     try:
         pm.register(module, name=name)
     except pluggy.PluginValidationError as e:

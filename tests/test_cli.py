@@ -71,3 +71,111 @@ def test_version_lists_core_hook_api_and_plugins():
                          text=True, timeout=120, check=True).stdout
     assert out.splitlines()[0] == f"molt-core {__version__} (hook API {HOOK_API_VERSION})"
     assert "  grpo: molt-estimator-grpo " in out and "  gym: molt-agent-gym " in out
+
+
+def _one_line_error(capsys, argv: list[str], out_dir: Path) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    assert not out_dir.exists()                     # failed before the run dir is made
+    return err
+
+
+@pytest.fixture
+def bad_inputs(tmp_path, tiny_model_dir, monkeypatch):
+    """Files for each input that used to end in a traceback."""
+    (tmp_path / "malformed.yaml").write_text("trainer: {steps: 3\n")
+    (tmp_path / "binary.yaml").write_bytes(bytes(range(256)) * 4)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "molt_test_boom.py").write_text("raise RuntimeError('boom at import')\n")
+    for name, config in [("bad_config", "{not json"), ("no_weights", '{"model_type": "qwen3"}')]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(config)
+    for f in tiny_model_dir.glob("*.safetensors"):
+        (tmp_path / "bad_config" / f.name).symlink_to(f)
+    yield tmp_path
+    sys.modules.pop("molt_test_boom", None)
+
+
+@pytest.mark.parametrize("extra, expect", [
+    (["RECIPE=malformed.yaml"], "is not valid YAML: expected ',' or '}'"),
+    (["RECIPE=binary.yaml"], "is not a text file"),
+    (["trainer.betas=[1"], "override 'trainer.betas=[1': the value is not valid YAML"),
+    (["--plugin", "molt_test_boom"], "plugin module 'molt_test_boom' failed to import: "
+                                     "RuntimeError: boom at import"),
+    (["model.path=DIR/bad_config"], "config.json is not a valid model config"),
+    (["model.path=DIR/no_weights"], "has no weights"),
+    (["trainer.lr=.inf"], "'trainer.lr' must be a finite float, got inf"),
+    (["sampling.temperature=.inf"], "'sampling.temperature' must be a finite float"),
+    (["trainer.grad_clip=-1"], "trainer.grad_clip must be > 0"),
+    (["agent.timeout_s=-5"], "agent.timeout_s must be > 0 seconds"),
+    (["trainer.weight_sync_timeout_s=0"], "trainer.weight_sync_timeout_s must be > 0"),
+    (["name=../../x"], "name '../../x' must be a plain run name"),
+    (["agent.args.env=nope"], "unknown env 'nope'; valid: colours, guess_number"),
+    (["agent.args.env={a: 1}"], "agent.args.env: agent 'gym' (plugin gym) expects str, got"),
+    (["agent.args.env_args.letters=5"], "agent.args.env_args.letters: env 'next_letter' (plugin "
+                                        "gym) expects str, got 5 (int)"),
+    (["algorithm.estimator_args.eps=abc"], "algorithm.estimator_args.eps: estimator 'grpo' "
+                                           "(plugin grpo) expects a finite float, got 'abc'"),
+    (["algorithm.loss_args.clip_low=[1]"], "loss 'ppo_clip' (plugin grpo) expects a finite float"),
+    (["algorithm.estimator_args.std_floor=1"], "estimator 'grpo' (plugin grpo) does not accept "
+                                               "std_floor; it accepts: eps, norm_std"),
+])
+def test_bad_input_is_one_line_exit_2_and_no_run_dir(capsys, bad_inputs, tiny_recipe, extra,
+                                                     expect):
+    out_dir = bad_inputs / "runs"
+    recipe = [str(bad_inputs / e.split("=", 1)[1]) for e in extra if e.startswith("RECIPE=")]
+    extra = [e.replace("DIR", str(bad_inputs)) for e in extra if not e.startswith("RECIPE=")]
+    argv = ["run", *(recipe or [tiny_recipe]), f"out_dir={out_dir}", *extra, "--no-progress"]
+    assert expect in _one_line_error(capsys, argv, out_dir)
+
+
+def test_misspelled_hook_names_only_real_hooks_and_the_closest(tmp_path, monkeypatch):
+    from molt_core.plugins import PluginError, build_plugins
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "molt_test_typo.py").write_text(
+        "from molt_core import hookimpl\n@hookimpl\ndef molt_estimator():\n    return {}\n")
+    with pytest.raises(PluginError) as e:
+        build_plugins(["molt_test_typo"])
+    msg = str(e.value)
+    assert ("plugin 'molt_test_typo' implements unknown hook 'molt_estimator'; did you mean "
+            "'molt_estimators'?") in msg
+    assert "molt_estimator," not in msg.split("valid molt hooks:")[1] + ","
+    assert "molt_losses" in msg
+    sys.modules.pop("molt_test_typo", None)
+
+
+@pytest.mark.parametrize("declared, ok", [(f">={HOOK_API_VERSION},<{HOOK_API_VERSION + 1}", True),
+                                          (f">={HOOK_API_VERSION + 1}", False), ("one", False)])
+def test_hook_api_range(tmp_path, monkeypatch, declared, ok):
+    from molt_core.plugins import PluginError, build_plugins
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = f"molt_test_api{abs(hash(declared))}"
+    (tmp_path / f"{name}.py").write_text(f"MOLT_HOOK_API = {declared!r}\n")
+    if ok:
+        assert name in build_plugins([name]).info
+        return
+    with pytest.raises(PluginError, match=f"plugin '{name}'") as e:
+        build_plugins([name])
+    assert declared in str(e.value)
+    if declared != "one":
+        assert f"molt-core {__version__} has hook API {HOOK_API_VERSION}" in str(e.value)
+
+
+def test_trace_shows_registration_pipeline_and_registry_calls(monkeypatch, capsys):
+    import torch
+
+    from molt_core.plugins import build_plugins
+    monkeypatch.setenv("MOLT_TRACE_PLUGINS", "1")
+    plugins = build_plugins()
+    err = capsys.readouterr().err
+    assert "molt trace: hook molt_estimators (plugin grpo)()" in err      # registration
+    adv = plugins.get("estimator", "grpo")(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]))
+    assert adv[0] > 0 > adv[1]
+    plugins.hook.molt_on_step_end(step=3, metrics={})
+    filters = plugins.hook.molt_filter_batch.get_hookimpls()
+    filters[0].function(groups=[], step=3, refill=lambda n: [])   # as the trainer calls it
+    err = capsys.readouterr().err
+    assert "molt trace: estimator 'grpo' (plugin grpo)([2], [2])" in err
+    assert "molt trace: hook molt_on_step_end (plugin" in err and "step=3" in err
+    assert "molt trace: hook molt_filter_batch (plugin dapo)(groups=[], step=3" in err

@@ -117,6 +117,14 @@ def molt_agents() -> dict:
 
 
 @hookimpl
+def molt_configure(cfg: Any, plugins: Any) -> None:
+    if cfg.agent.name == "chat":
+        a = cfg.agent.args
+        plugins.check_args("agent.args.agent_args", "chat_agent", a["agent"],
+                           a.get("agent_args") or {})
+
+
+@hookimpl
 def molt_chat_agents() -> dict:
     from molt_chat.agents_sdk import AgentsCalculator
     from molt_chat.calculator import Calculator

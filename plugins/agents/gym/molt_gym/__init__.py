@@ -97,6 +97,13 @@ def molt_agents() -> dict:
 
 
 @hookimpl
+def molt_configure(cfg: Any, plugins: Any) -> None:
+    if cfg.agent.name == "gym":     # an unknown env or bad env_args: found before anything starts
+        a = cfg.agent.args
+        plugins.check_args("agent.args.env_args", "env", a["env"], a.get("env_args") or {})
+
+
+@hookimpl
 def molt_envs() -> dict:
     return {"next_letter": NextLetter, "guess_number": GuessNumber, "math": MathProblems,
             "colours": Colours}
