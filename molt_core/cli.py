@@ -89,9 +89,10 @@ def _run(args: argparse.Namespace) -> int:
                            ["molt", *args.argv])
     print(f"run dir: {run_dir}", file=sys.stderr)
     history = train(cfg, plugins, run_dir, progress=not args.no_progress)
-    if history:
-        first, last = history[0]["reward/mean"], history[-1]["reward/mean"]
-        print(f"reward: first step {first:.3f} -> last step {last:.3f} ({len(history)} steps)")
+    steps = [h for h in history if "reward/mean" in h]      # not the eval rows
+    if steps:
+        first, last = steps[0]["reward/mean"], steps[-1]["reward/mean"]
+        print(f"reward: first step {first:.3f} -> last step {last:.3f} ({len(steps)} steps)")
     return 0
 
 
@@ -115,6 +116,10 @@ COMMANDS: dict[str, tuple[str, Callable | str, Callable | str]] = {
                    "molt_tools.tiny:add_args", "molt_tools.tiny:main"),
     "new-plugin": ("generate a plugin package (pyproject, module, test)",
                    "molt_tools.scaffold:add_args", "molt_tools.scaffold:main"),
+    "pretrained": ("convert a packaged pretrained model into a plain HF directory (offline)",
+                   "molt_tools.pretrained:add_args", "molt_tools.pretrained:main"),
+    "eval": ("evaluate a model or checkpoint on a recipe's held-out prompts",
+             "molt_tools.evaluate:add_args", "molt_tools.evaluate:main"),
 }
 
 

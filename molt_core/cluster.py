@@ -147,8 +147,9 @@ def _short(node: dict[str, float]) -> dict[str, float]:
 
 
 @contextmanager
-def start(cfg: Config, plugins: Any) -> Iterator[tuple[Any, list[Any]]]:
-    """Yield `(policy, engines)`; everything started here is stopped on exit."""
+def start(cfg: Config, plugins: Any, trainer: bool = True) -> Iterator[tuple[Any, list[Any]]]:
+    """Yield `(policy, engines)` (policy None without `trainer`); everything started here is
+    stopped on exit."""
     started = init_ray(cfg)
     engines, policy = [], None
     try:
@@ -161,7 +162,7 @@ def start(cfg: Config, plugins: Any) -> Iterator[tuple[Any, list[Any]]]:
                        cfg.model.path, **engine_kwargs(cfg, i))
                    for i in range(cfg.engine.num_engines)]
         policy = backend(cfg.model.path, cfg.trainer, dtype=cfg.model.dtype, seed=cfg.seed,
-                         actor_options=rank_opts)
+                         actor_options=rank_opts) if trainer else None
         ray.get([e.get_version.remote() for e in engines], timeout=cfg.engine.timeout_s)
         log.info("cluster_ready", engines=len(engines), trainer_ranks=cfg.trainer.num_ranks,
                  rank_resources=_need(rank_opts), engine_resources=_need(engine_opts),

@@ -20,7 +20,8 @@ import yaml
 
 __all__ = [
     "AgentConfig", "AlgorithmConfig", "CheckConfig", "Config", "ConfigError", "EngineConfig",
-    "LogConfig", "LossTermsConfig", "ModelConfig", "RayConfig", "RolloutConfig", "SamplingConfig",
+    "EvalConfig", "LogConfig", "LoraConfig", "LossTermsConfig", "ModelConfig", "RayConfig",
+    "RolloutConfig", "SamplingConfig",
     "TrainerConfig", "apply_overrides", "from_dict", "load_config", "model_facts", "to_dict",
     "type_name", "type_ok",
 ]
@@ -66,6 +67,17 @@ class EngineConfig:
 
 
 @dataclass
+class LoraConfig:
+    """PEFT LoRA adapters on the policy: only they train (and hold AdamW state); engines get
+    merged weights."""
+    rank: int = 0                        # 0: off (full fine-tuning)
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: str | list = "all-linear"   # PEFT names; "all-linear": every Linear but
+                                                # the output head
+
+
+@dataclass
 class TrainerConfig:
     backend: str = "fsdp2"               # fsdp2 | automodel (GPU)
     num_ranks: int = 1                   # trainer processes (one GPU each on GPU)
@@ -99,6 +111,7 @@ class TrainerConfig:
     moe_routing: str = "replay"
     # MoE: weight of the load-balancing loss (Switch Transformer; logged as moe/aux_loss). 0: off
     moe_aux_loss_coef: float = 0.0
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -157,6 +170,17 @@ class CheckConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Held-out evaluation (`molt_core.eval`): before step 0, every `every` steps, at the end."""
+    every: int = 0                       # steps between evaluations; 0: off
+    prompts: int = 32                    # held-out prompts (tasks disjoint from training's)
+    k: int = 4                           # sampled rollouts per prompt for pass@k (0: greedy only)
+    success: float = 1.0                 # a rollout is solved when its reward >= success
+    agent_args: dict = field(default_factory=dict)   # merged over agent.args, e.g.
+                                                     # {env_args: {split: test}}
+
+
+@dataclass
 class RayConfig:
     address: str = ""                    # empty: start a local Ray
     num_cpus: int = 0                    # local Ray only; 0 = all cores
@@ -180,6 +204,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     check: CheckConfig = field(default_factory=CheckConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     log: LogConfig = field(default_factory=LogConfig)
     seed: int = 0                        # seeds sampling, init and tasks
@@ -337,6 +362,12 @@ def validate(cfg: Config) -> None:
         (not (t.moe_aux_loss_coef > 0 and t.moe_routing == "freeze_router"),
          "trainer.moe_aux_loss_coef > 0 has no effect with trainer.moe_routing=freeze_router "
          "(the load-balancing loss only trains the router): set one of them differently"),
+        (t.lora.rank >= 0 and t.lora.alpha > 0 and 0 <= t.lora.dropout < 1,
+         "trainer.lora: rank must be >= 0 (0: off), alpha > 0, 0 <= dropout < 1"),
+        (not (t.lora.rank and t.backend != "fsdp2"),
+         f"trainer.lora needs trainer.backend=fsdp2 (got {t.backend})"),
+        (cfg.eval.every >= 0 and cfg.eval.prompts >= 1 and cfg.eval.k >= 0,
+         "eval: every must be >= 0 (0: off), prompts >= 1, k >= 0 (0: greedy only)"),
         (r.groups_per_step >= 1, "rollout.groups_per_step must be >= 1"),
         (r.group_size >= 1, "rollout.group_size must be >= 1"),
         (r.max_staleness >= 0, "rollout.max_staleness must be >= 0"),

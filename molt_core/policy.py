@@ -25,7 +25,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, OffloadPolicy,
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from molt_core import cluster, moe, multimodal, weight_sync
+from molt_core import cluster, lora, moe, multimodal, weight_sync
 from molt_core.algos import aggregate, is_correction, loss_terms
 from molt_core.config import TrainerConfig
 
@@ -134,6 +134,8 @@ class PolicyWorker:
         (`trainer.optimizer_offload`: params, grads and AdamW state live on the CPU)."""
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         model = multimodal.load_model(model_path, dtype).to(self.device)
+        if self.cfg["lora"]["rank"]:
+            model = lora.add_adapters(model, self.cfg["lora"])
         offload = (CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
                    if self.cfg["optimizer_offload"] else OffloadPolicy())
         moe.keep_router_fp32(model)
@@ -349,12 +351,18 @@ class PolicyWorker:
         model.reshard()                 # the root keeps its params gathered after forward
         return out
 
-    def _named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, p in self.model.named_parameters():
-            yield name, (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+    def _named_full_tensors(self, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """Gathered parameters; with LoRA and `merge`, the merged HF weights (`lora.merged`)."""
+        named = ((name, (p.full_tensor() if isinstance(p, DTensor) else p).detach())
+                 for name, p in self.model.named_parameters())
+        cfg = self.cfg["lora"]
+        return lora.merged(named, cfg["alpha"] / cfg["rank"]) if merge and cfg["rank"] else named
 
-    def full_params(self) -> dict[str, torch.Tensor]:
-        """Gathered parameters by HF name (a collective: call on every rank)."""
+    def full_params(self, adapter: bool = False) -> dict[str, torch.Tensor]:
+        """Gathered parameters by HF name (LoRA: merged), or with `adapter` only the LoRA
+        weights under PEFT's saved names (a collective: call on every rank)."""
+        if adapter:
+            return lora.adapter_tensors(self._named_full_tensors(merge=False))
         return {n: t.cpu() for n, t in self._named_full_tensors()}
 
     def push_weights(self, engines: list, version: int, bucket_bytes: int, timeout_s: float,
@@ -507,9 +515,10 @@ class Policy:
                           method)[::self.replicas]
         return torch.cat(parts)[:batch["input_ids"].shape[0]]
 
-    def full_params(self) -> dict[str, torch.Tensor]:
-        """Gathered parameters by HF name."""
-        return self._get([w.full_params.remote() for w in self.workers], "full_params")[0]
+    def full_params(self, adapter: bool = False) -> dict[str, torch.Tensor]:
+        """Gathered parameters by HF name (LoRA: merged; `adapter`: the adapter weights only)."""
+        return self._get([w.full_params.remote(adapter) for w in self.workers],
+                         "full_params")[0]
 
     def push_weights(self, engines: list, version: int) -> dict[str, Any]:
         return weight_sync.push(self.workers, engines, version,

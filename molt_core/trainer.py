@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoTokenizer
 from molt_core import cluster
 from molt_core.advantage import training_batch
 from molt_core.config import Config
+from molt_core.eval import eval_due, evaluate
 from molt_core.generator import Generator, version_lag_metrics
 from molt_core.metrics import MetricsSink
 from molt_core.plugins import Plugins
@@ -28,7 +29,8 @@ class ForwardConsistencyError(RuntimeError):
 
 def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
           progress: bool = True) -> list[dict[str, Any]]:
-    """Run `cfg.trainer.steps` steps; returns the per-step metrics."""
+    """Run `cfg.trainer.steps` steps; returns the per-step metrics (with `eval.every`, held-out
+    evaluation rows {"step": updates so far, "eval/...": ...} in between)."""
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     vocab_size = AutoConfig.from_pretrained(cfg.model.path).get_text_config().vocab_size
     estimator = plugins.get("estimator", cfg.algorithm.estimator)
@@ -45,8 +47,15 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                                  cfg.log.trajectories_per_step, generator.task_of)
         version, alg = 0, cfg.algorithm          # version: the weights being trained
         refill = getattr(scheme, "refill", generator.generate)   # for batch filters (DAPO)
+
+        def held_out(step: int) -> None:    # its own row: the weights after `step` updates
+            if eval_due(cfg, step):
+                row = evaluate(cfg, plugins, engines, tokenizer, vocab_size)
+                sink.log(step, row)
+                history.append({"step": step, **row})
         try:
             for step in range(cfg.trainer.steps):
+                held_out(step)
                 t0 = time.perf_counter()
                 groups = scheme.next_batch(step)
                 t_gen = time.perf_counter() - t0
@@ -80,6 +89,7 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                 plugins.hook.molt_on_step_end(step=step, metrics=metrics)
                 sink.log(step, metrics)
                 history.append(metrics)
+            held_out(cfg.trainer.steps)
         finally:
             sink.close()
             saved.close()

@@ -12,6 +12,7 @@ and the model's own chat template, and a generation config.
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +58,27 @@ def load_gguf(name: str) -> tuple[Any, Any]:
 
 
 def convert(name: str, out_dir: str | Path) -> Path:
-    """Write model `name` as a plain HF directory at `out_dir`; returns it."""
+    """Write model `name` as a plain HF directory at `out_dir` (written aside, then renamed, so
+    it appears whole); returns it."""
+    import shutil
+    import tempfile
+
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        _write(name, tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write(name: str, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    out = Path(out_dir)
     gguf_model, tok = load_gguf(name)
     config = gguf_model.config
     # A fresh model from the config: save_pretrained refuses the GGUF-loaded one (quantizer).
@@ -76,19 +93,14 @@ def convert(name: str, out_dir: str | Path) -> Path:
     model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id,
                                                eos_token_id=config.eos_token_id,
                                                pad_token_id=config.pad_token_id)
-    out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.pad_token = PAD
     tok.save_pretrained(out)
-    return out
 
 
 def cached(name: str, root: str | Path = ".cache") -> Path:
-    """`root/name`, converted on first use; concurrent callers wait on a lock and the directory
-    appears whole (written aside, then renamed)."""
+    """`root/name`, converted on first use (concurrent callers wait on a lock)."""
     import fcntl
-    import shutil
-    import tempfile
 
     out = Path(root) / name
     if (out / "config.json").is_file():
@@ -97,10 +109,19 @@ def cached(name: str, root: str | Path = ".cache") -> Path:
     with open(out.parent / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "config.json").is_file():
-            tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
-            try:
-                convert(name, tmp)
-                tmp.rename(out)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            convert(name, out)
     return out
+
+
+def add_args(p: Any) -> None:
+    p.add_argument("name", choices=sorted(MODELS))
+    p.add_argument("out_dir")
+
+
+def main(args: Any) -> int:
+    try:
+        print(convert(args.name, args.out_dir))
+    except (FileNotFoundError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

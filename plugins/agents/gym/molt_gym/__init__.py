@@ -14,9 +14,10 @@ from typing import Any
 from molt_core import hookimpl, multimodal
 from molt_core.generator import RolloutContext
 from molt_core.trajectory import ImageInput, Trajectory
-from molt_gym.envs import Colours, Env, GuessNumber, MathProblems, NextLetter, Observation
+from molt_gym.envs import (Arithmetic, Colours, Env, GuessNumber, MathProblems, NextLetter,
+                           Observation)
 
-__all__ = ["Colours", "Env", "GymAgent", "GuessNumber", "MathProblems", "NextLetter"]
+__all__ = ["Arithmetic", "Colours", "Env", "GymAgent", "GuessNumber", "MathProblems", "NextLetter"]
 
 class TemplateMismatch(RuntimeError):
     """The rendered history no longer starts with the tokens already captured."""
@@ -106,4 +107,4 @@ def molt_configure(cfg: Any, plugins: Any) -> None:
 @hookimpl
 def molt_envs() -> dict:
     return {"next_letter": NextLetter, "guess_number": GuessNumber, "math": MathProblems,
-            "colours": Colours}
+            "colours": Colours, "arithmetic": Arithmetic}

@@ -7,10 +7,12 @@ import functools
 import json
 import random
 import string
+import zlib
 
 import numpy as np
 
-__all__ = ["Colours", "Env", "GuessNumber", "MathProblems", "NextLetter", "Observation"]
+__all__ = ["Arithmetic", "Colours", "Env", "GuessNumber", "MathProblems", "NextLetter",
+           "Observation"]
 
 Observation = str | list[dict]   # a user message, or chat messages
 
@@ -93,6 +95,7 @@ class MathProblems(Env):
     rows (e.g. DAPO-Math-17k converted once, offline). Reward 1 if the reply's \\boxed{} answer
     equals the reference (the `math` reward, math-verify; plugin molt-reward-math)."""
 
+    boxed = True          # the reply must box its answer
     def __init__(self, data: str, instruction: str = "") -> None:
         self.rows, self.instruction = _rows(data), instruction
 
@@ -107,8 +110,57 @@ class MathProblems(Env):
             raise RuntimeError("env 'math' needs the math reward: pip install -e "
                                "plugins/rewards/math") from None
         # sympy parsing is CPU work: off the generator's event loop
-        reward, info = await asyncio.to_thread(math_reward, action, str(self.row["answer"]))
+        reward, info = await asyncio.to_thread(math_reward, action, str(self.row["answer"]),
+                                               require_boxed=self.boxed)
         return None, reward, True, info
+
+
+class Arithmetic(MathProblems):
+    """One-operation arithmetic word problems generated from the seed (no data files).
+
+    Problems are split by a hash of (template, operands): `split` "train" keeps 4/5 of them,
+    "test" the other 1/5, so held-out evaluation never sees a training problem. Answers are
+    integers of 1-4 digits (multi-token); reward: math-verify on the reply's last number.
+    """
+
+    boxed = False
+    # (text, answer); a, b drawn from `lo`..`hi`; division problems are built from their answer
+    TEMPLATES = (
+        ("{n} has {a} {x}. {n} buys {b} more {x}. How many {x} does {n} have now?", "a+b"),
+        ("A shop had {a} {x}. It sold {b} of them. How many {x} are left?", "a-b"),
+        ("There are {a} boxes with {b} {x} in each box. How many {x} are there in total?",
+         "a*b"),
+        ("{n} shares {a} {x} equally among {b} friends. How many {x} does each friend get?",
+         "a/b"),
+    )
+    NAMES = ("Tom", "Anna", "Li", "Sara", "Omar", "Maya", "Ben", "Eva")
+    ITEMS = ("apples", "pencils", "stickers", "marbles", "books", "cookies", "cards", "shells")
+
+    def __init__(self, split: str = "train", lo: int = 2, hi: int = 60,
+                 ops: str = "+-*/", instruction: str = "") -> None:
+        if split not in ("train", "test"):
+            raise ValueError(f"split '{split}': use train or test")
+        self.split, self.lo, self.hi, self.instruction = split, lo, hi, instruction
+        self.templates = [t for t in self.TEMPLATES if t[1][1] in ops]
+        if not self.templates or set(ops) - set("+-*/"):
+            raise ValueError(f"ops '{ops}': use some of + - * /")
+
+    async def reset(self, seed: int) -> Observation:
+        rng = random.Random(seed)
+        while True:
+            text, op = rng.choice(self.templates)
+            a, b = rng.randint(self.lo, self.hi), rng.randint(self.lo, min(self.hi, 12))
+            if op == "a-b":
+                a, b = max(a, b) + b, min(a, b)
+            if op == "a/b":
+                a = a * b
+            key = zlib.crc32(f"{text}|{a}|{b}".encode()) % 5
+            if (key == 0) == (self.split == "test"):
+                break
+        answer = {"a+b": a + b, "a-b": a - b, "a*b": a * b, "a/b": a // b}[op]
+        self.row = {"answer": str(answer)}
+        words = {"n": rng.choice(self.NAMES), "x": rng.choice(self.ITEMS), "a": a, "b": b}
+        return text.format(**words) + self.instruction
 
 
 class Colours(Env):

@@ -1,0 +1,81 @@
+"""Held-out evaluation: a loop of its own over the generator, the agent and the engines.
+
+Eval prompt i is task `EVAL_TASKS + i`, far from the training tasks (`seed * 1_000_003 + group
+id`); envs that can also split their problems take it from `eval.agent_args` (e.g. the
+arithmetic env's `split: test`). Two passes over the same prompts: greedy (top_k 1), one rollout
+each, and sampled with the recipe's sampling settings, `eval.k` rollouts each. A rollout counts
+as solved when its reward >= `eval.success`. Metrics: `eval/greedy/pass@1`,
+`eval/greedy/reward_mean`, `eval/sampled/pass@1` (mean over samples), `eval/sampled/pass@k`,
+`eval/sampled/reward_mean`, `eval/time_s`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from typing import Any
+
+import torch
+
+from molt_core.config import Config
+from molt_core.generator import Generator, RolloutContext
+from molt_core.trajectory import Trajectory
+
+__all__ = ["EVAL_TASKS", "eval_due", "evaluate"]
+
+EVAL_TASKS = 2**48
+GREEDY = {"temperature": 1.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0}
+
+
+class _HeldOut:
+    """The agent, on eval task `EVAL_TASKS + i` for the i-th group."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+
+    async def rollout(self, ctx: RolloutContext) -> Trajectory:
+        ctx.task = EVAL_TASKS + ctx.group_id
+        return await self.agent.rollout(ctx)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def eval_due(cfg: Config, step: int) -> bool:
+    """Before step `step` (0 included) every `eval.every` steps; `step == trainer.steps`: the
+    evaluation after training."""
+    every = cfg.eval.every
+    return bool(every) and (step % every == 0 or step == cfg.trainer.steps)
+
+
+def evaluate(cfg: Config, plugins: Any, engines: list[Any], tokenizer: Any,
+             vocab_size: int) -> dict[str, float]:
+    """Run the held-out prompts on the engines' current weights; returns `eval/*` metrics."""
+    t0 = time.perf_counter()
+    e = cfg.eval
+    agent = plugins.get("agent", cfg.agent.name)(cfg, tokenizer, plugins,
+                                                 **_merge(cfg.agent.args, e.agent_args))
+    out: dict[str, float] = {}
+    for name, knobs, k in (("greedy", GREEDY, 1), ("sampled", {}, e.k)):
+        if k < 1:
+            continue
+        c = copy.deepcopy(cfg)
+        c.rollout.group_size, c.sampling = k, dataclasses.replace(cfg.sampling, **knobs)
+        gen = Generator(_HeldOut(agent), engines, c, tokenizer, vocab_size)
+        try:
+            groups = gen.generate(e.prompts)
+        finally:
+            gen.close()
+        rewards = torch.tensor([[t.reward for t in g] for g in groups], dtype=torch.float32)
+        solved = (rewards >= e.success).float()
+        out[f"eval/{name}/pass@1"] = solved.mean().item()
+        out[f"eval/{name}/reward_mean"] = rewards.mean().item()
+        if k > 1:
+            out[f"eval/{name}/pass@{k}"] = solved.amax(1).mean().item()
+    out["eval/time_s"] = time.perf_counter() - t0
+    return out

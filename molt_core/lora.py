@@ -1,0 +1,84 @@
+"""LoRA (PEFT) on the policy: adapters injected into the HF model in place, so the trainer's
+forward, FSDP2 sharding and chunked log-probs see the same module tree; only adapter weights
+require grad (and get AdamW state). Engines receive merged weights under the plain HF names."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["add_adapters", "adapter_tensors", "export", "merged", "peft_config"]
+
+Named = Iterator[tuple[str, torch.Tensor]]
+
+
+def peft_config(lora: dict, base: str = "") -> Any:
+    from peft import LoraConfig
+    return LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                      target_modules=lora["target_modules"], base_model_name_or_path=base or None)
+
+
+def add_adapters(model: torch.nn.Module, lora: dict) -> torch.nn.Module:
+    """`trainer.lora` adapters injected into `model`; every other weight is frozen."""
+    from peft import inject_adapter_in_model
+    model = inject_adapter_in_model(peft_config(lora), model)
+    if not any(".lora_A." in n for n, _ in model.named_parameters()):
+        raise ValueError(f"trainer.lora.target_modules={lora['target_modules']!r} matched no "
+                         "Linear of the model: use PEFT module names (q_proj, ...) or all-linear")
+    return model
+
+
+def merged(named: Named, scaling: float) -> Named:
+    """The (name, full tensor) stream of an adapted model as the plain HF model's: each adapted
+    Linear `X` yields `X.weight` = W + scaling * B @ A (scaling = alpha / rank) once W, A and B
+    have arrived."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in named:
+        for tag, key in ((".base_layer.weight", "w"), (".lora_A.default.weight", "a"),
+                         (".lora_B.default.weight", "b")):
+            if name.endswith(tag):
+                mod = name[:-len(tag)]
+                p = parts.setdefault(mod, {})
+                p[key] = t
+                if len(p) == 3:
+                    w, a, b = (p[k] for k in "wab")
+                    del parts[mod]
+                    delta = (b.float() @ a.float()) * scaling
+                    yield f"{mod}.weight", (w.float() + delta).to(w.dtype)
+                break
+        else:
+            yield name.replace(".base_layer.", "."), t
+    if parts:
+        raise RuntimeError(f"LoRA merge: incomplete adapted layers {sorted(parts)[:3]}")
+
+
+def adapter_tensors(named: Named) -> dict[str, torch.Tensor]:
+    """Adapter weights under PEFT's saved names (`PeftModel.from_pretrained` loads them)."""
+    return {f"base_model.model.{n.replace('.default.', '.')}": t.cpu() for n, t in named
+            if ".lora_A." in n or ".lora_B." in n}
+
+
+def export(policy: Any, model_path: str, out_dir: str | Path) -> Path:
+    """A merged HF directory at `out_dir` (config, tokenizer, safetensors) and the PEFT adapter
+    in `out_dir/adapter` (for `PeftModel.from_pretrained(base, ...)`)."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    out = Path(out_dir)
+    (out / "adapter").mkdir(parents=True, exist_ok=True)
+    AutoConfig.from_pretrained(model_path).save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_path).save_pretrained(out)
+    try:
+        GenerationConfig.from_pretrained(model_path).save_pretrained(out)
+    except OSError:
+        pass                            # the model has none
+    save_file({k: v.contiguous() for k, v in policy.full_params().items()},
+              out / "model.safetensors", metadata={"format": "pt"})
+    save_file(policy.full_params(adapter=True), out / "adapter" / "adapter_model.safetensors",
+              metadata={"format": "pt"})
+    peft_config(asdict(policy.cfg.lora), str(model_path)).save_pretrained(out / "adapter")
+    return out

@@ -1,0 +1,102 @@
+"""LoRA (PEFT) on the fsdp2 trainer: only adapters train, engines get merged weights, the export
+loads in transformers and PEFT with the trainer's log-probs. Real Ray, gloo (2 ranks), tiny Qwen3."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import ray
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from molt_core import lora
+from molt_core.config import LoraConfig, TrainerConfig
+from molt_core.engines.hf import HFEngine
+from molt_core.policy import Policy
+from molt_core.trajectory import Trajectory, collate
+from molt_grpo import ppo_clip_loss
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+            "repetition_penalty": 1.0, "max_new_tokens": 6}
+
+
+def sample_batch(engine, tok, n: int = 8):
+    prompts = [tok(f"after {c}", add_special_tokens=False).input_ids for c in "abcdefgh"[:n]]
+    outs = ray.get([engine.generate.remote(p, SAMPLING) for p in prompts], timeout=120)
+    trajs = []
+    for p, c in zip(prompts, outs):
+        trajs.append(Trajectory())
+        trajs[-1].add_prompt(p)
+        trajs[-1].add_completion(c)
+    adv = torch.randn(n)
+    return trajs, collate(trajs, [[float(a)] * len(t) for a, t in zip(adv, trajs)])
+
+
+def reference_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Plain full-vocab forward of an unsharded model: [B, T], 0 where not trainable."""
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    lp = logits[:, :-1].log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    out = torch.zeros(batch["input_ids"].shape)
+    out[:, 1:] = lp
+    return out * batch["loss_mask"]
+
+
+def _optimizer_state(worker) -> tuple[int, int]:
+    """(params with AdamW state, LoRA params) on this rank."""
+    state = [p for p in worker.optim.state if worker.optim.state[p]]
+    n_lora = sum(".lora_" in n for n, _ in worker.model.named_parameters())
+    assert all(p.requires_grad for p in state)
+    return len(state), n_lora
+
+
+def test_lora_trains_adapters_only_syncs_merged_and_exports(ray_local, tiny_model_dir, tmp_path):
+    path = str(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(path)
+    engine = ray.remote(HFEngine).options(num_cpus=0).remote(path, seed=3)
+    cfg = dataclasses.replace(TrainerConfig(), num_ranks=2, lr=1e-2,
+                              lora=LoraConfig(rank=4, alpha=8.0, target_modules="all-linear"))
+    policy = Policy(path, cfg, seed=0)
+    try:
+        base = {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32).named_parameters()}
+        assert policy.full_params().keys() == base.keys()     # merged: the plain HF names
+        _, batch = sample_batch(engine, tok)
+        metrics = policy.train(batch, ppo_clip_loss, {}, "token-mean", 1.0)
+        assert metrics["mismatch/max_abs"] < 1e-4             # B = 0: the adapted model is base
+        adapter, merged = policy.full_params(adapter=True), policy.full_params()
+        b_names = [k for k in adapter if ".lora_B." in k]
+        assert b_names and all(adapter[k].abs().max() > 0 for k in b_names)
+        # only adapters changed: every merged weight is base (+ scaling * B @ A where adapted)
+        adapted = 0
+        for name, w in merged.items():
+            stem = f"base_model.model.{name.removesuffix('.weight')}"
+            expect = base[name]
+            if f"{stem}.lora_A.weight" in adapter:
+                a, b = adapter[f"{stem}.lora_A.weight"], adapter[f"{stem}.lora_B.weight"]
+                expect, adapted = expect + (8.0 / 4) * b @ a, adapted + 1
+            assert (w - expect).abs().max() < 1e-5, name
+        assert adapted == len(b_names)
+        for held, n_lora in ray.get([w.__ray_call__.remote(_optimizer_state)
+                                     for w in policy.workers]):
+            assert held == n_lora            # AdamW state on the adapters, nothing else
+        # weight sync sends merged weights: the engine samples what the trainer computes
+        policy.push_weights([engine], 1)
+        trajs, batch = sample_batch(engine, tok)
+        assert {v for t in trajs for v, m in zip(t.versions, t.loss_mask) if m} == {1}
+        trainer_lp = policy.logprobs(batch)
+        assert (trainer_lp - batch["behavior_logprobs"]).abs()[batch["loss_mask"]].max() < 1e-4
+        # export: a merged HF directory and a PEFT adapter, both with the trainer's log-probs
+        out = lora.export(policy, path, tmp_path / "export")
+        exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        assert (reference_logprobs(exported, batch) - trainer_lp).abs().max() < 1e-4
+        from peft import PeftModel
+        peft_model = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), out / "adapter")
+        assert (reference_logprobs(peft_model, batch) - trainer_lp).abs().max() < 1e-4
+    finally:
+        policy.shutdown()
+        ray.kill(engine)
