@@ -5,13 +5,11 @@ require grad (and get AdamW state). Engines receive merged weights under the pla
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["add_adapters", "adapter_tensors", "export", "merged", "peft_config"]
+__all__ = ["add_adapters", "adapter_tensors", "merged", "peft_config"]
 
 Named = Iterator[tuple[str, torch.Tensor]]
 
@@ -61,24 +59,3 @@ def adapter_tensors(named: Named) -> dict[str, torch.Tensor]:
     return {f"base_model.model.{n.replace('.default.', '.')}": t.cpu() for n, t in named
             if ".lora_A." in n or ".lora_B." in n}
 
-
-def export(policy: Any, model_path: str, out_dir: str | Path) -> Path:
-    """A merged HF directory at `out_dir` (config, tokenizer, safetensors) and the PEFT adapter
-    in `out_dir/adapter` (for `PeftModel.from_pretrained(base, ...)`)."""
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    out = Path(out_dir)
-    (out / "adapter").mkdir(parents=True, exist_ok=True)
-    AutoConfig.from_pretrained(model_path).save_pretrained(out)
-    AutoTokenizer.from_pretrained(model_path).save_pretrained(out)
-    try:
-        GenerationConfig.from_pretrained(model_path).save_pretrained(out)
-    except OSError:
-        pass                            # the model has none
-    save_file({k: v.contiguous() for k, v in policy.full_params().items()},
-              out / "model.safetensors", metadata={"format": "pt"})
-    save_file(policy.full_params(adapter=True), out / "adapter" / "adapter_model.safetensors",
-              metadata={"format": "pt"})
-    peft_config(asdict(policy.cfg.lora), str(model_path)).save_pretrained(out / "adapter")
-    return out

@@ -90,6 +90,10 @@ class MetricsSink:
         numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
         for sink in self.sinks:
             sink.log(step, numbers)
+        if "reward/mean" not in row:          # a held-out evaluation row (molt_core.eval)
+            structlog.get_logger("molt").info("eval", step=step, **{
+                k[5:]: round(v, 4) for k, v in numbers.items() if k.startswith("eval/")})
+            return
         reward, step_s = row.get("reward/mean", float("nan")), row.get("time/step_s", 0.0)
         if self.show:
             self.progress.update(self.task, completed=step + 1,

@@ -288,7 +288,7 @@ class PolicyWorker:
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
         return {"loss": loss_total, "grad_norm": float(grad_norm), "sums": sums, "counts": counts,
-                "max": {"mismatch/max_abs": max_abs},
+                "max": {"mismatch/max_abs": max_abs, "memory/trainer_peak_gib": _peak_gib()},
                 "time": {"train/fwd_bwd_s": t1 - t0, "train/optim_s": time.perf_counter() - t1}}
 
     def trained_logprobs(self) -> torch.Tensor:
@@ -391,6 +391,16 @@ class PolicyWorker:
 
 
 _IMAGE_KEYS = ("pixel_values", "image_grid_thw")   # per row, not per token (collate)
+
+
+def _peak_gib() -> float:
+    """This step's peak allocated GPU memory, or on CPU the rank's peak RSS so far (GiB)."""
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        return peak / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20    # KiB on Linux
 
 
 def _images(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:

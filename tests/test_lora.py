@@ -10,11 +10,11 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from molt_core import lora
 from molt_core.config import LoraConfig, TrainerConfig
 from molt_core.engines.hf import HFEngine
 from molt_core.policy import Policy
 from molt_core.trajectory import Trajectory, collate
+from molt_tools.export import export_lora
 from molt_grpo import ppo_clip_loss
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -90,7 +90,7 @@ def test_lora_trains_adapters_only_syncs_merged_and_exports(ray_local, tiny_mode
         trainer_lp = policy.logprobs(batch)
         assert (trainer_lp - batch["behavior_logprobs"]).abs()[batch["loss_mask"]].max() < 1e-4
         # export: a merged HF directory and a PEFT adapter, both with the trainer's log-probs
-        out = lora.export(policy, path, tmp_path / "export")
+        out = export_lora(policy, path, tmp_path / "export")
         exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
         assert (reference_logprobs(exported, batch) - trainer_lp).abs().max() < 1e-4
         from peft import PeftModel
