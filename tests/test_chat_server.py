@@ -482,16 +482,23 @@ COUNT = "one two three four"
 
 @pytest.fixture(scope="module")
 def api_model_dir(tiny_model_dir, tok, tmp_path_factory) -> Path:
-    """Imprinted: QUESTION -> calculator call -> answer; "Break it." -> a malformed call;
-    "Count." -> COUNT."""
+    """Imprinted: QUESTION (and "What is 3 + 3?") -> calculator call -> answer; "Break it." ->
+    a malformed call; "Count." -> COUNT."""
     from molt_chat.imprint import imprint
 
     q = [{"role": "user", "content": QUESTION}]
     done = q + [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function",
                  "function": {"name": "calculator", "arguments": '{"expression": "3 + 4"}'}}]},
                 {"role": "tool", "tool_call_id": "c", "content": "7"}]
+    q6 = [{"role": "user", "content": "What is 3 + 3?"}]     # the agents_calculator task
+    done6 = q6 + [{"role": "assistant", "content": "", "tool_calls": [
+                  {"id": "c", "type": "function", "function": {
+                      "name": "calculator", "arguments": '{"expression": "3 + 3"}'}}]},
+                  {"role": "tool", "tool_call_id": "c", "content": "6"}]
     pairs = [(render(tok, q, [TOOL]), CALL + "<|im_end|>"),
              (render(tok, done, [TOOL]), "The answer is 7.<|im_end|>"),
+             (render(tok, q6, [TOOL]), CALL.replace("3 + 4", "3 + 3") + "<|im_end|>"),
+             (render(tok, done6, [TOOL]), "The answer is 6.<|im_end|>"),
              (render(tok, [{"role": "user", "content": "Break it."}], [TOOL]),
               MALFORMED + "<|im_end|>"),
              (render(tok, [{"role": "user", "content": "Count."}]), COUNT + "<|im_end|>")]
@@ -819,3 +826,25 @@ def test_tool_charset_tiny_model_serves_a_tool_agent(tmp_path):
         return r
 
     assert run(main_()).usage.completion_tokens >= 1
+
+
+def test_openai_agents_sdk_agent_trains_token_exactly(ray_local, api_model_dir, tmp_path):
+    """The `agents_calculator` chat agent (a stock `agents.Agent`, Responses API, a function
+    tool) trains 3 steps; engine and trainer log-probs agree at every step."""
+    import yaml
+
+    from molt_core.cli import load
+    from molt_core.trainer import train
+
+    recipe = Path(__file__).parents[1] / "recipes/cpu/chat_calculator.yaml"
+    data = yaml.safe_load(recipe.read_text())
+    data["model"]["path"] = str(api_model_dir)
+    data["agent"]["args"] = {"agent": "agents_calculator", "agent_args": {"lo": 3, "hi": 3}}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(data))
+    cfg, plugins = load(str(tmp_path / "r.yaml"), [
+        "trainer.steps=3", "rollout.groups_per_step=2", "rollout.group_size=4",
+        "sampling.max_new_tokens=48", "check.consistency_every=1", f"out_dir={tmp_path}"])
+    history = train(cfg, plugins, tmp_path, progress=False)
+    assert len(history) == 3
+    assert all(h["mismatch/max_abs"] <= cfg.check.consistency_tol for h in history)
+    assert sum(h["reward/mean"] for h in history) > 0, "the imprinted agent calls the tool"
