@@ -9,7 +9,7 @@ RECIPE ?= recipes/cpu/next_letter.yaml
 
 SMOLLM2 := .cache/smollm2-135m-instruct
 
-.PHONY: install install-test run test bench clean venv-vllm test-vllm pretrained bench-smollm2
+.PHONY: install install-test run test bench clean venv-vllm test-vllm pretrained bench-smollm2 venv-trl bench-trl
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -82,5 +82,19 @@ venv-vllm: $(VVENV)/.installed
 test-vllm: venv-vllm
 	$(VBIN)/python -m pytest -q tests/test_engine_vllm.py tests/test_moe_vllm.py
 
+# TRL for bench/vs_trl.py: its own venv (it pins its own stack), the CPU torch wheel first.
+TVENV := .venv-trl
+$(TVENV)/.installed:
+	$(PY) -m venv $(TVENV)
+	$(TVENV)/bin/pip install -q --upgrade pip
+	$(TVENV)/bin/pip install -q $(TORCH)
+	$(TVENV)/bin/pip install -q $(TORCH) trl==1.16.0 transformers==5.18.0
+	touch $@
+
+venv-trl: $(TVENV)/.installed
+
+bench-trl: install venv-trl
+	$(BIN)/python bench/vs_trl.py
+
 clean:
-	rm -rf $(VENV) $(VVENV) .cache runs
+	rm -rf $(VENV) $(VVENV) $(TVENV) .cache runs

@@ -7,7 +7,9 @@ the cluster before anything starts (`check_resources`).
 
 from __future__ import annotations
 
+import gc
 import logging
+import math
 import os
 import socket
 import tempfile
@@ -19,8 +21,8 @@ import structlog
 
 from molt_core.config import Config, ConfigError
 
-__all__ = ["actor_options", "check_resources", "engine_kwargs", "init_ray", "rank_placement",
-           "start"]
+__all__ = ["actor_options", "check_resources", "engine_kwargs", "init_ray", "num_threads",
+           "rank_placement", "start"]
 
 log = structlog.get_logger("molt.cluster")
 
@@ -39,6 +41,7 @@ def init_ray(cfg: Config) -> bool:
     os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
     logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
         lambda r: "Token authentication is enabled for this" not in r.getMessage())
+    os.environ.setdefault("RAY_worker_niceness", "0")   # Ray's default 15 starves the actors
     ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False,
              _temp_dir=os.environ["RAY_TMPDIR"], **quiet)
     return True
@@ -53,6 +56,17 @@ def actor_options(cfg: Config, has_gpus: bool) -> tuple[dict, dict]:
                    else float(e.tensor_parallel_size) * has_gpus)
     return ({"num_cpus": t.cpus_per_rank, "num_gpus": rank_gpus, "resources": dict(t.resources)},
             {"num_cpus": e.cpus_per_engine, "num_gpus": engine_gpus, "resources": dict(e.resources)})
+
+
+def num_threads(cfg: Config, cores: int) -> tuple[int, int]:
+    """Intra-op threads of one trainer rank and of one engine: the CPUs it reserves, or, reserving
+    none, a share of a node's `cores`: under `sync` engine and trainer alternate, so each role
+    gets the whole node in its phase; other schemes overlap them, so all actors split it."""
+    t, e = cfg.trainer, cfg.engine
+    actors = (t.num_ranks, e.num_engines) if cfg.rollout.scheme == "sync" else (
+        t.num_ranks + e.num_engines,) * 2
+    return (max(1, math.ceil(t.cpus_per_rank) or cores // actors[0]),
+            max(1, math.ceil(e.cpus_per_engine) or cores // actors[1]))
 
 
 def engine_kwargs(cfg: Config, index: int) -> dict[str, Any]:
@@ -158,13 +172,18 @@ def start(cfg: Config, plugins: Any, trainer: bool = True) -> Iterator[tuple[Any
         check_resources(cfg, rank_opts, engine_opts, nodes)
         engine_cls = ray.remote(plugins.get("engine", cfg.engine.name))
         backend = plugins.get("trainer_backend", cfg.trainer.backend)
+        rank_threads, engine_threads = num_threads(cfg, int(min(n.get("CPU", 1) for n in nodes)))
         engines = [engine_cls.options(**engine_opts, name=f"molt-engine-{i}-{os.getpid()}").remote(
-                       cfg.model.path, **engine_kwargs(cfg, i))
+                       cfg.model.path, **{"num_threads": engine_threads, **engine_kwargs(cfg, i)})
                    for i in range(cfg.engine.num_engines)]
         policy = backend(cfg.model.path, cfg.trainer, dtype=cfg.model.dtype, seed=cfg.seed,
-                         actor_options=rank_opts) if trainer else None
+                         num_threads=rank_threads, actor_options=rank_opts) if trainer else None
         ray.get([e.get_version.remote() for e in engines], timeout=cfg.engine.timeout_s)
+        # Long-lived driver objects (torch, transformers, Ray) leave the collector's view: a full
+        # collection over them stalled the rollout loop for up to ~0.7 s.
+        gc.freeze()
         log.info("cluster_ready", engines=len(engines), trainer_ranks=cfg.trainer.num_ranks,
+                 threads={"rank": rank_threads, "engine": engine_threads},
                  rank_resources=_need(rank_opts), engine_resources=_need(engine_opts),
                  rank_nodes=_placement(getattr(policy, "workers", [])),
                  engine_nodes=_placement(engines))

@@ -220,3 +220,14 @@ def test_gpu_recipes_load_and_validate(recipe, tmp_path, tiny_model_dir):
         assert t.num_ranks * 1 == 8 and e.num_engines * e.tensor_parallel_size == 8
         assert cfg.rollout.scheme == "async" and cfg.algorithm.estimator == "dapo"
     shutil.rmtree(tmp_path / "qwen3-30b-a3b", ignore_errors=True)
+
+
+def test_threads_follow_reserved_cpus_and_the_scheme():
+    cfg = _cfg(num_ranks=1)
+    assert cluster.num_threads(cfg, 2) == (2, 2)       # sync: each phase gets the whole node
+    cfg.rollout = dataclasses.replace(cfg.rollout, scheme="async")
+    assert cluster.num_threads(cfg, 2) == (1, 1)       # overlapping: the node is split
+    assert cluster.num_threads(cfg, 8) == (4, 4)
+    cfg.trainer = dataclasses.replace(cfg.trainer, cpus_per_rank=3.0, num_ranks=2)
+    cfg.engine = dataclasses.replace(cfg.engine, cpus_per_engine=0.5)
+    assert cluster.num_threads(cfg, 2) == (3, 1)       # reserved CPUs win

@@ -100,6 +100,26 @@ class HFEngine:
                        images: list[ImageInput] | None = None) -> Completion:
         """Sample a completion; `sampling` gives every key of SAMPLING_KEYS (+ stop_token_ids);
         `images`: those whose placeholder tokens are in the prompt (VL models)."""
+        return await self._submit(prompt_ids, sampling, images)
+
+    async def generate_batch(self, prompts: list[list[int]], samplings: list[dict],
+                             images: list[list[ImageInput]] | None = None
+                             ) -> list[Completion | Exception]:
+        """Many requests in one call (one RPC instead of one per request); a failed request
+        returns its exception in place."""
+        images = images or [None] * len(prompts)
+        futures = []
+        for p, s, i in zip(prompts, samplings, images):
+            try:
+                futures.append(self._submit(p, s, i))
+            except Exception as e:   # a bad request fails alone
+                futures.append(asyncio.get_running_loop().create_future())
+                futures[-1].set_exception(e)
+        return await asyncio.gather(*futures, return_exceptions=True)
+
+    def _submit(self, prompt_ids: list[int], sampling: dict,
+                images: list[ImageInput] | None) -> asyncio.Future:
+        """Check and queue one request; its future gets the completion (no task per request)."""
         sampling, stop = check_sampling(sampling)
         if images and self._image_id is None:
             raise ValueError("this engine's model takes no images (not a VL checkpoint)")
@@ -119,17 +139,7 @@ class HFEngine:
                        asyncio.get_running_loop().create_future(), list(images or []))
         self._pending.append(req)
         self._wakeup.set()
-        return await req.future
-
-    async def generate_batch(self, prompts: list[list[int]], samplings: list[dict],
-                             images: list[list[ImageInput]] | None = None
-                             ) -> list[Completion | Exception]:
-        """Many requests in one call (one RPC instead of one per request); a failed request
-        returns its exception in place."""
-        images = images or [None] * len(prompts)
-        return await asyncio.gather(*(self.generate(p, s, i)
-                                      for p, s, i in zip(prompts, samplings, images)),
-                                    return_exceptions=True)
+        return req.future
 
     async def pause(self) -> None:
         """Stop after the current decode step; in-flight requests keep their state."""

@@ -14,10 +14,11 @@ from typing import Any
 from molt_core import hookimpl, multimodal
 from molt_core.generator import RolloutContext
 from molt_core.trajectory import ImageInput, Trajectory
-from molt_gym.envs import (Arithmetic, Colours, Env, GuessNumber, MathProblems, NextLetter,
-                           Observation)
+from molt_gym.envs import (Addition, Arithmetic, Colours, Env, GuessNumber, MathProblems,
+                           NextLetter, Observation)
 
-__all__ = ["Arithmetic", "Colours", "Env", "GymAgent", "GuessNumber", "MathProblems", "NextLetter"]
+__all__ = ["Addition", "Arithmetic", "Colours", "Env", "GymAgent", "GuessNumber", "MathProblems",
+           "NextLetter"]
 
 class TemplateMismatch(RuntimeError):
     """The rendered history no longer starts with the tokens already captured."""
@@ -41,6 +42,21 @@ class GymAgent:
         self.tok = tokenizer
         self.model_path = cfg.model.path if cfg is not None else ""
         self._images: multimodal.ImageEncoder | None = None
+        self._openings: dict[str, tuple[str, list[int]]] = {}   # text-only first prompts
+
+    def opening(self, messages: list[dict]) -> tuple[str, list[int], list[ImageInput]]:
+        """The first prompt as text and ids; a group's rollouts share it, so text-only ones are
+        rendered and tokenized once (a template render + encode cost ~0.2 ms per rollout)."""
+        key = None if multimodal.images_of(messages) else repr(messages)
+        if key in self._openings:
+            return *self._openings[key], []
+        text = self.render(messages)
+        ids, images = self.encode(text, messages)
+        if key is not None:
+            if len(self._openings) >= 4096:
+                self._openings.clear()
+            self._openings[key] = (text, ids)
+        return text, ids, images
 
     def encode(self, text: str, messages: list[dict]) -> tuple[list[int], list[ImageInput]]:
         """Token ids of `text`, the rendering of `messages`, and the images those hold."""
@@ -61,21 +77,21 @@ class GymAgent:
     async def rollout(self, ctx: RolloutContext) -> Trajectory:
         env = self.env_cls(**self.env_args)
         messages = self.system + _messages(await env.reset(ctx.task))
-        covered = self.render(messages)           # text the trajectory's tokens spell so far
+        covered, ids, images = self.opening(messages)   # covered: the text the tokens spell
         traj = Trajectory()
-        traj.add_prompt(*self.encode(covered, messages))
+        traj.add_prompt(ids, images)
         rewards: list[float] = []
         for turn in range(self.max_turns):
             completion = await ctx.generate(traj.token_ids, ctx.sampling, traj.images or None)
             traj.add_completion(completion)
-            sampled = self.tok.decode(completion.token_ids)
-            covered += sampled
             action = self.tok.decode(completion.token_ids, skip_special_tokens=True)
             obs, reward, done, info = await env.step(action)
             rewards.append(float(reward))
             traj.info.update(info)
             if done or obs is None or turn == self.max_turns - 1:
                 break
+            sampled = self.tok.decode(completion.token_ids)
+            covered += sampled
             # The history keeps the reply as sampled (special tokens included, minus the closing
             # eos the template adds itself) so that re-rendering reproduces `covered` exactly.
             reply = sampled.removesuffix(self.tok.eos_token) if self.chat_template else sampled
@@ -106,5 +122,5 @@ def molt_configure(cfg: Any, plugins: Any) -> None:
 
 @hookimpl
 def molt_envs() -> dict:
-    return {"next_letter": NextLetter, "guess_number": GuessNumber, "math": MathProblems,
-            "colours": Colours, "arithmetic": Arithmetic}
+    return {"addition": Addition, "next_letter": NextLetter, "guess_number": GuessNumber,
+            "math": MathProblems, "colours": Colours, "arithmetic": Arithmetic}

@@ -11,8 +11,8 @@ import zlib
 
 import numpy as np
 
-__all__ = ["Arithmetic", "Colours", "Env", "GuessNumber", "MathProblems", "NextLetter",
-           "Observation"]
+__all__ = ["Addition", "Arithmetic", "Colours", "Env", "GuessNumber", "MathProblems",
+           "NextLetter", "Observation"]
 
 Observation = str | list[dict]   # a user message, or chat messages
 
@@ -53,6 +53,24 @@ class NextLetter(Env):
         else:
             reward = 0.0
         return None, reward, True, {"correct": first == target}
+
+
+class Addition(Env):
+    """"what is 3 plus 4?" -> "7" (operands 0..hi, sums below 10). Single turn, judged on the
+    reply's first character: 1 for the sum, 0.1 for any other digit, else 0."""
+
+    def __init__(self, hi: int = 4) -> None:
+        self.hi = hi
+
+    async def reset(self, seed: int) -> Observation:
+        rng = random.Random(seed)
+        self.a, self.b = rng.randint(0, self.hi), rng.randint(0, self.hi)
+        return f"what is {self.a} plus {self.b}?"
+
+    async def step(self, action: str) -> tuple[None, float, bool, dict]:
+        first = action.strip()[:1]
+        right = first == str(self.a + self.b)
+        return None, 1.0 if right else 0.1 if first.isdigit() else 0.0, True, {"correct": right}
 
 
 class GuessNumber(Env):

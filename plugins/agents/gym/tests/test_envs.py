@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from molt_gym import GuessNumber, NextLetter
+from molt_gym import Addition, GuessNumber, NextLetter
 
 
 def run(coro):
@@ -20,6 +20,16 @@ def test_next_letter_shaped_reward():
     assert run(env.step(chr(ord(target) + 2)))[1] == 0.1
     assert run(env.step("7"))[1] == 0.0
     assert run(env.step(""))[1] == 0.0
+
+
+def test_addition_reward():
+    env = Addition(hi=4)
+    assert run(env.reset(3)) == f"what is {env.a} plus {env.b}?"
+    assert 0 <= env.a <= 4 and 0 <= env.b <= 4
+    right = str(env.a + env.b)
+    assert run(env.step(f" {right}<|im_end|>"))[1:3] == (1.0, True)
+    assert run(env.step(str((env.a + env.b + 1) % 10)))[1] == 0.1
+    assert run(env.step("x7"))[1] == 0.0
 
 
 def test_guess_number_feedback_and_reward():
