@@ -1,23 +1,38 @@
 """Sandboxed Python code-execution reward: run the response's code followed by the answer's tests.
 
-The program runs in a child process that cannot hurt the caller:
-- its own temp dir (cwd, deleted afterwards), empty environment, stdin closed, `python -I`;
-- rlimits set by a launcher that then `exec`s the program (no `preexec_fn`, which is unsafe in a
-  threaded caller): address space (`memory_mb`), CPU seconds, file size (`max_output_kb`, which
-  also bounds stdout/stderr, written to files rather than pipes), no core dumps;
-- a wall-clock timeout, after which the whole process group is killed;
-- no network: the child runs in a fresh network namespace (`unshare -rn`: only a down loopback)
-  when the kernel allows unprivileged user namespaces; otherwise it runs with the host network and
-  `info["network_isolated"]` is False (run the trainer in a container without network then).
-Not a security boundary against a determined attacker (same user, same filesystem); it contains
-the mistakes a policy makes: infinite loops, memory bombs, huge outputs, stray sockets.
+The program runs in a sandbox built from what the OS offers (`isolation()` says which layers hold
+here; `info["isolation"]` lists them per call):
+- `pid_ns`: its own PID namespace (`unshare --pid --fork --kill-child --mount-proc`): it cannot
+  see or signal the caller, and every descendant (a `setsid` grandchild too) dies with it;
+- `net_ns`: a fresh network namespace (only a down loopback);
+- `mount_ns` (as root): the filesystem is read-only except its work dir, and home directories
+  (`/root`, `/home`, `$HOME`) are empty tmpfs (the interpreter's prefix is bound back in);
+- `own_uid` (as root): it runs as a fresh unprivileged uid, so it can neither undo those mounts,
+  nor signal or read other users' processes and private files; RLIMIT_NPROC then counts only it;
+- `cgroup` (as root, cgroup v1 `pids` and `memory` controllers): a process-count limit and a
+  memory limit on all its processes together;
+- always: rlimits (address space per process, CPU seconds, file size, no core dumps), a wall-clock
+  timeout, an empty environment, `python -I`, a temp work dir deleted afterwards.
+
+Results: a harness runs the code, then the tests statement by statement, and reports over a pipe
+it inherits (with a nonce read from another pipe); the reward is 1.0 only if it reported
+completing every test. Exiting early (`sys.exit(0)`, `os._exit(0)`) or killing itself is a failure.
+
+Not protected against: a program that searches the harness's own memory for the nonce (it shares
+the interpreter) could forge a pass; without root, the filesystem and uid layers are missing
+(the program can read and write what the caller's user can, and RLIMIT_NPROC is not set), and
+without cgroups memory is bounded per process only (processes x `memory_mb`). Files outside the
+home directories (e.g. /etc) stay readable. Not a boundary against kernel exploits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -28,19 +43,98 @@ from pathlib import Path
 
 from molt_core import hookimpl
 
-__all__ = ["code_reward", "extract_code", "network_isolation_available"]
+__all__ = ["code_reward", "extract_code", "isolation", "network_isolation_available"]
 
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
+_CGROUP = Path("/sys/fs/cgroup")
 
-# Runs inside the child: set limits on itself, then become the program.
+# Host side, before the namespaces: join the cgroups, then become `unshare ... python -c _SETUP`.
 _LAUNCHER = """
-import os, resource, sys
-mem, cpu, fsize = (int(a) for a in sys.argv[1:4])
-resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-os.execv(sys.executable, [sys.executable, "-I", sys.argv[4]])
+import json, os, sys
+cfg = json.loads(sys.argv[1])
+for d in cfg["cgroups"]:
+    with open(os.path.join(d, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+os.execvp(cfg["argv"][0], cfg["argv"])
+"""
+
+# PID 1 of the namespaces (still privileged there): mounts, limits, drop the uid, run the harness.
+_SETUP = """
+import ctypes, json, os, resource, sys
+cfg = json.loads(sys.argv[1])
+work = cfg["work"]
+if cfg["mounts"]:
+    libc = ctypes.CDLL(None, use_errno=True)
+    def mount(src, target, fstype, flags, data=None):
+        if libc.mount(src and src.encode(), target.encode(), fstype and fstype.encode(), flags,
+                      data and data.encode()) != 0:
+            raise OSError(ctypes.get_errno(), "mount " + target)
+    RDONLY, REMOUNT, BIND, MOVE, REC, PRIVATE = 1, 32, 4096, 8192, 16384, 1 << 18
+    mount(None, "/", None, REC | PRIVATE)
+    mount(work, work, None, BIND)
+    keep, stage = cfg["keep"], os.path.join(work, ".prefix")
+    if keep:
+        os.mkdir(stage)
+        mount(keep, stage, None, BIND | REC)
+    for d in cfg["hide"]:
+        mount("tmpfs", d, "tmpfs", 0, "mode=755")
+    if keep:
+        os.makedirs(keep, exist_ok=True)
+        mount(stage, keep, None, MOVE)
+        os.rmdir(stage)
+    for line in open("/proc/self/mounts").read().splitlines():
+        target = line.split()[1].replace("\\\\040", " ")
+        if target != work:
+            try:
+                mount(None, target, None, REMOUNT | BIND | RDONLY)
+            except OSError:
+                pass
+    os.chdir(work)
+child = os.fork() if cfg["reaper"] else 0
+while child:
+    # PID 1 stays privileged and out of the program's reach: it reaps orphans until the harness
+    # exits, then exits with its status (128 + signal), which ends the namespace.
+    pid, status = os.wait()
+    if pid == child:
+        code = os.waitstatus_to_exitcode(status)
+        os._exit(128 - code if code < 0 else code)
+for name, value in cfg["rlimits"].items():
+    resource.setrlimit(getattr(resource, name), (value, value + (name == "RLIMIT_CPU")))
+if cfg["uid"] is not None:
+    os.setgroups([])
+    os.setgid(cfg["uid"])
+    os.setuid(cfg["uid"])
+os.execv(cfg["python"], [cfg["python"], "-I", "-B", "harness.py", *cfg["fds"]])
+"""
+
+# The program's interpreter: the code, then the tests one statement at a time, reported over
+# a pipe only by this process (not by forked children).
+_HARNESS = """
+import ast, os, sys, traceback
+def main():
+    out, nonce_fd = (int(a) for a in sys.argv[1:3])
+    nonce = os.read(nonce_fd, 64).decode()
+    os.close(nonce_fd)
+    me = os.getpid()
+    def report(msg):
+        if os.getpid() == me:
+            os.write(out, f"{nonce} {msg}\\n".encode())
+    ns = {"__name__": "__main__"}
+    try:
+        exec(compile(open("solution.py").read(), "solution.py", "exec"), ns)
+        tests = ast.parse(open("tests.py").read()).body
+        for i, stmt in enumerate(tests):
+            exec(compile(ast.Module([stmt], []), "tests.py", "exec"), ns)
+            report(f"ok {i}")
+    except SystemExit:
+        report("exit")
+        raise
+    except BaseException:
+        traceback.print_exc()
+        report("error")
+        sys.exit(1)
+    report(f"done {len(tests)}")
+main()
 """
 
 
@@ -50,54 +144,152 @@ def extract_code(response: str) -> str:
     return blocks[-1] if blocks else response
 
 
-@functools.cache
-def network_isolation_available() -> bool:
-    """Whether `unshare -rn` works here (probed once per process)."""
-    if not shutil.which("unshare"):
-        return False
+def _works(cmd: list[str]) -> bool:
     try:
-        return subprocess.run(["unshare", "-rn", "true"], capture_output=True,
-                              timeout=10).returncode == 0
+        return subprocess.run(cmd, capture_output=True, timeout=10).returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
 
 
+@functools.cache
+def isolation() -> frozenset[str]:
+    """The sandbox layers available in this process (probed once)."""
+    root = os.geteuid() == 0
+    user = [] if root else ["-r"]
+    out = set()
+    if shutil.which("unshare"):
+        if _works(["unshare", *user, "-pfm", "--kill-child", "--mount-proc", "true"]):
+            out |= {"pid_ns", "mount_ns"} if root else {"pid_ns"}
+        if _works(["unshare", *user, "-n", "true"]):
+            out.add("net_ns")
+    if root:
+        out.add("own_uid")
+        if all(os.access(_CGROUP / c, os.W_OK) for c in ("pids", "memory")):
+            out.add("cgroup")
+    return frozenset(out)
+
+
+def network_isolation_available() -> bool:
+    return "net_ns" in isolation()
+
+
+class _Cgroups:
+    """cgroup v1 `pids` + `memory` groups for one run: limits on all its processes together."""
+
+    def __init__(self, name: str, max_processes: int, memory_bytes: int) -> None:
+        self.dirs = [_CGROUP / "pids" / name, _CGROUP / "memory" / name]
+        for d in self.dirs:
+            d.mkdir()
+        (self.dirs[0] / "pids.max").write_text(str(max_processes))
+        (self.dirs[1] / "memory.limit_in_bytes").write_text(str(memory_bytes))
+
+    def memory_hit(self) -> bool:
+        return int((self.dirs[1] / "memory.failcnt").read_text()) > 0
+
+    def close(self) -> None:
+        for _ in range(200):
+            pids = (self.dirs[0] / "cgroup.procs").read_text().split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            try:
+                for d in self.dirs:
+                    if d.exists():
+                        d.rmdir()
+                return
+            except OSError:
+                time.sleep(0.01)
+
+
+def _hidden_homes() -> list[str]:
+    homes = {os.path.realpath(p) for p in ("/root", "/home", os.environ.get("HOME", "/root"))}
+    homes = {h for h in homes if os.path.isdir(h) and h != "/"}
+    return sorted(h for h in homes if not any(h.startswith(o + "/") for o in homes))
+
+
 def code_reward(response: str, answer: str, *, timeout_s: float = 5.0, memory_mb: int = 512,
-                max_output_kb: int = 256, isolate_network: bool = True) -> tuple[float, dict]:
-    """1.0 if `extract_code(response)` followed by `answer` (test code, e.g. asserts) exits 0.
+                max_output_kb: int = 256, max_processes: int = 16,
+                isolate_network: bool = True) -> tuple[float, dict]:
+    """1.0 if `extract_code(response)` runs and then every statement of `answer` (test code, e.g.
+    asserts) completes, in the sandbox; `memory_mb` bounds each process (and all together with
+    cgroups), `max_processes` the processes (with cgroups or as root).
 
     Otherwise 0.0 with `info["reason"]`: no_code, timeout, cpu_time_limit, memory_limit,
-    output_limit, killed_by_signal, failed (then `info["error"]` is the last stderr line).
+    process_limit, output_limit, early_exit, killed_by_signal, failed (then `info["error"]` is
+    the last stderr line). `info["tests_passed"]`: test statements completed.
     """
     code = extract_code(response)
     if not code.strip():
         return 0.0, {"reason": "no_code"}
-    netns = isolate_network and network_isolation_available()
+    layers = set(isolation()) - (set() if isolate_network else {"net_ns"})
+    python = os.path.realpath(sys.executable)
     with tempfile.TemporaryDirectory(prefix="molt_code_") as tmp:
         d = Path(tmp)
-        (d / "main.py").write_text(f"{code}\n\n{answer}\n")
-        limits = [str(memory_mb * 2**20), str(max(1, int(timeout_s + 0.999))),
-                  str(max_output_kb * 1024), "main.py"]
-        cmd = [*(["unshare", "-rn"] if netns else []), sys.executable, "-I", "-c", _LAUNCHER,
-               *limits]
+        for name, text in (("solution.py", code), ("tests.py", answer), ("harness.py", _HARNESS)):
+            (d / name).write_text(text)
+        uid = 100_000 + secrets.randbelow(1_000_000) if "own_uid" in layers else None
+        if uid is not None:
+            for p in (d, *d.iterdir()):
+                os.chown(p, uid, uid)
+        rlimits = {"RLIMIT_AS": memory_mb * 2**20, "RLIMIT_CPU": max(1, int(timeout_s + 0.999)),
+                   "RLIMIT_FSIZE": max_output_kb * 1024, "RLIMIT_CORE": 0}
+        if uid is not None:
+            rlimits["RLIMIT_NPROC"] = max_processes
+        hide = _hidden_homes() if "mount_ns" in layers else []
+        keep = next((sys.base_prefix for h in hide if sys.base_prefix.startswith(h + "/")), None)
+        results_r, results_w = os.pipe()
+        nonce_r, nonce_w = os.pipe()
+        nonce = secrets.token_hex(16)
+        os.write(nonce_w, nonce.encode())
+        os.close(nonce_w)
+        setup = {"work": str(d), "mounts": "mount_ns" in layers, "hide": hide, "keep": keep,
+                 "reaper": "pid_ns" in layers,
+                 "rlimits": rlimits, "uid": uid, "python": python,
+                 "fds": [str(results_w), str(nonce_r)]}
+        argv = [python, "-I", "-c", _SETUP, json.dumps(setup)]
+        if "pid_ns" in layers:
+            argv = ["unshare", *([] if os.geteuid() == 0 else ["-r"]), "--pid", "--fork",
+                    "--kill-child", "--mount-proc", *(["-n"] if "net_ns" in layers else []),
+                    *argv]
+        elif "net_ns" in layers:
+            argv = ["unshare", *([] if os.geteuid() == 0 else ["-r"]), "-n", *argv]
+        cgroups = (_Cgroups(d.name, max_processes, memory_mb * 2**20) if "cgroup" in layers
+                   else None)
+        launch = {"cgroups": [str(c) for c in cgroups.dirs] if cgroups else [], "argv": argv}
         t0 = time.perf_counter()
-        with open(d / "stdout", "wb") as out, open(d / "stderr", "wb") as err:
-            proc = subprocess.Popen(cmd, cwd=d, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    env={"PATH": os.defpath, "PYTHONHASHSEED": "0"},
-                                    start_new_session=True)
-            try:
-                rc = proc.wait(timeout=timeout_s)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                _kill_group(proc)            # also reaps anything the program left behind
-            rc = proc.wait()
+        try:
+            with open(d / "stdout", "wb") as out, open(d / "stderr", "wb") as err:
+                proc = subprocess.Popen([python, "-I", "-c", _LAUNCHER, json.dumps(launch)],
+                                        cwd=d, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                        env={"PATH": os.defpath, "PYTHONHASHSEED": "0"},
+                                        start_new_session=True, pass_fds=(results_w, nonce_r))
+                os.close(results_w)
+                os.close(nonce_r)
+                try:
+                    rc = proc.wait(timeout=timeout_s)
+                    timed_out = False
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+                finally:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(proc.pid, signal.SIGKILL)   # --kill-child: the namespace dies
+                rc = proc.wait()
+            if "pid_ns" in layers and rc > 128:        # the reaper's 128 + signal
+                rc = 128 - rc
+            memory_hit = cgroups is not None and cgroups.memory_hit()
+        finally:
+            if cgroups is not None:
+                cgroups.close()
+        reports = _read_all(results_r).decode(errors="replace").splitlines()
         stdout = (d / "stdout").read_bytes()[-4096:].decode(errors="replace")
         stderr = (d / "stderr").read_bytes()[-4096:].decode(errors="replace")
+    mine = [r.split(" ", 1)[1] for r in reports if r.startswith(nonce + " ")]
     info = {"returncode": rc, "seconds": round(time.perf_counter() - t0, 3), "stdout": stdout,
-            "stderr": stderr, "network_isolated": netns}
-    reason = _reason(rc, timed_out, stderr)
+            "stderr": stderr, "network_isolated": "net_ns" in layers,
+            "isolation": sorted(layers), "tests_passed": sum(m.startswith("ok ") for m in mine)}
+    done = any(m.startswith("done ") for m in mine)
+    reason = _reason(rc, timed_out, stderr, memory_hit, done,
+                     early="exit" in mine or (rc == 0 and not done))
     info["reason"] = reason
     if reason == "failed":
         lines = stderr.strip().splitlines()
@@ -105,20 +297,28 @@ def code_reward(response: str, answer: str, *, timeout_s: float = 5.0, memory_mb
     return float(reason == "passed"), info
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _read_all(fd: int) -> bytes:
+    os.set_blocking(fd, False)
+    chunks = []
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks)
 
 
-def _reason(rc: int, timed_out: bool, stderr: str) -> str:
+def _reason(rc: int, timed_out: bool, stderr: str, memory_hit: bool, done: bool,
+            early: bool) -> str:
     if timed_out:
         return "timeout"
-    if rc == 0:
+    if rc == 0 and done:
         return "passed"
-    if "MemoryError" in stderr or "Cannot allocate memory" in stderr:
+    if memory_hit or "MemoryError" in stderr or "Cannot allocate memory" in stderr:
         return "memory_limit"
+    if "BlockingIOError" in stderr or "Resource temporarily unavailable" in stderr:
+        return "process_limit"
+    if early:
+        return "early_exit"
     if rc in (-signal.SIGXCPU, -signal.SIGKILL) and "Traceback" not in stderr:
         return "cpu_time_limit" if rc == -signal.SIGXCPU else "killed_by_signal"
     if rc == -signal.SIGXFSZ or "File too large" in stderr:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import resource
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
-from molt_reward_code import code_reward, extract_code, network_isolation_available
+from molt_reward_code import code_reward, extract_code, isolation, network_isolation_available
 
 ADD = "```python\ndef add(a, b):\n    return a + b\n```"
 
@@ -33,21 +37,97 @@ def test_infinite_loop_is_killed_within_the_time_limit():
     assert time.perf_counter() - t0 < 3.0
 
 
-def test_background_children_die_with_the_program():
-    code = ("import subprocess, time\np = subprocess.Popen(['sleep', '30'])\n"
-            "print(p.pid, flush=True)\ntime.sleep(30)")
-    reward, info = code_reward(code, "", timeout_s=1.0)
-    assert info["reason"] == "timeout"
-    pid = int(info["stdout"].split()[0])          # the sandbox shares the caller's pid namespace
+def _alive(marker: str) -> list[int]:
+    """Host pids whose command line contains `marker`."""
+    out = []
+    for p in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if p.name.isdigit() and marker in (p / "cmdline").read_bytes().decode(errors="ignore") \
+                    and (p / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                out.append(int(p.name))
+    return out
+
+
+@pytest.mark.parametrize("detach", ["", "start_new_session=True"])
+def test_background_children_die_with_the_program(detach):
+    """A child, or a `setsid` grandchild, does not outlive the call."""
+    secs = f"{31 + secrets.randbelow(10**6) / 10**7:.7f}"
+    code = ("import subprocess, time\n"
+            f"subprocess.Popen(['sleep', '{secs}'], {detach})\ntime.sleep(0.2)")
+    reward, info = code_reward(code, "assert False")
+    assert reward == 0.0 and info["reason"] == "failed"
     time.sleep(0.2)
-    assert _state(pid) in (None, "Z")              # gone, or killed and awaiting its reaper
+    assert not _alive(f"sleep\0{secs}")
 
 
-def _state(pid: int) -> str | None:
+def test_program_cannot_signal_the_caller():
+    for code in ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",
+                 f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)",
+                 f"import os, signal\nos.killpg({os.getpgid(0)}, signal.SIGKILL)"):
+        reward, info = code_reward(code, "assert True")
+        assert reward == 0.0, (code, info)
+    assert code_reward(ADD, "assert add(1, 1) == 2")[0] == 1.0       # and we are still here
+
+
+@pytest.mark.parametrize("exit_", ["import sys\nsys.exit(0)", "import os\nos._exit(0)",
+                                   "raise SystemExit", "import os, signal\n"
+                                   "os.kill(os.getpid(), signal.SIGKILL)"])
+def test_exiting_before_the_tests_scores_zero(exit_):
+    reward, info = code_reward(exit_, "assert False")
+    assert reward == 0.0 and info["tests_passed"] == 0
+    assert info["reason"] in ("early_exit", "killed_by_signal"), info
+
+
+def test_tests_are_reported_one_by_one():
+    reward, info = code_reward(ADD, "assert add(1, 1) == 2\nassert add(1, 2) == 3\nassert False")
+    assert reward == 0.0 and info["tests_passed"] == 2 and info["reason"] == "failed"
+
+
+@pytest.mark.skipif(not {"cgroup"} <= isolation() and not {"own_uid"} <= isolation(),
+                    reason="no process-count limit here (needs root: cgroups or RLIMIT_NPROC)")
+def test_fork_storm_is_contained():
+    code = "import os\nwhile True:\n    os.fork()"
+    reward, info = code_reward(code, "assert True", timeout_s=3.0, max_processes=8)
+    assert reward == 0.0 and info["reason"] in ("process_limit", "failed", "timeout"), info
+
+
+@pytest.mark.skipif("cgroup" not in isolation(), reason="needs cgroup v1 memory (root)")
+def test_memory_is_limited_across_processes():
+    code = """import os
+kids = []
+for _ in range(4):
+    pid = os.fork()
+    if pid == 0:
+        block = b"x" * (200 * 2**20)
+        os._exit(0)
+    kids.append(pid)
+assert all(os.waitpid(k, 0)[1] == 0 for k in kids), "a child was killed"
+"""
+    reward, info = code_reward(code, "assert True", memory_mb=512, timeout_s=20)
+    assert reward == 0.0 and info["reason"] == "memory_limit", info
+    assert code_reward(code.replace("range(4)", "range(1)"), "assert True", memory_mb=512,
+                       timeout_s=20)[0] == 1.0
+
+
+@pytest.mark.skipif("mount_ns" not in isolation(), reason="needs a mount namespace (root)")
+def test_files_outside_the_work_dir_are_out_of_reach(tmp_path):
+    secret = Path.home() / f".molt_sandbox_secret_{secrets.token_hex(4)}"
+    secret.write_text("s3cret")
+    outside = tmp_path / "escaped"
     try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return None
+        reads = [f"print(open({str(secret)!r}).read())", "import os\nprint(os.listdir('/root'))"
+                 "\nassert os.listdir('/root') in ([], ['.pyenv'])\nraise RuntimeError"]
+        for code in reads:
+            reward, info = code_reward(code, "assert True")
+            assert reward == 0.0 and "s3cret" not in info["stdout"] + info["stderr"], info
+        for target in (outside, Path("/tmp") / outside.name, Path.home() / outside.name):
+            reward, info = code_reward(f"open({str(target)!r}, 'w').write('x')", "assert True")
+            assert reward == 0.0 and not target.exists(), info
+        reward, info = code_reward("open('inside.txt', 'w').write('x')\n"
+                                   "assert open('inside.txt').read() == 'x'", "assert True")
+        assert reward == 1.0, info
+    finally:
+        secret.unlink()
 
 
 @pytest.mark.parametrize("bomb", [
@@ -67,7 +147,7 @@ def test_output_flood_is_capped():
     assert len(info["stdout"]) <= 4096
 
 
-@pytest.mark.skipif(not network_isolation_available(), reason="unshare -rn not permitted here")
+@pytest.mark.skipif(not network_isolation_available(), reason="unshare -n not permitted here")
 def test_no_network_inside_the_sandbox():
     code = "import socket\nprint(sorted(n for _, n in socket.if_nameindex()))"
     reward, info = code_reward(code, "")
