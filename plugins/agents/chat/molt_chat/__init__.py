@@ -100,28 +100,25 @@ class ChatRunner:
 
 
 @hookimpl
-def molt_configure(cfg: Config) -> None:
-    """A chat recipe needs a tokenizer with a chat template (checked when it is a local dir)."""
-    if cfg.agent.name != "chat" or not Path(cfg.model.path).is_dir():
-        return
-    from transformers import AutoTokenizer
-    try:
-        require_chat_template(AutoTokenizer.from_pretrained(cfg.model.path))
-    except ValueError as e:
-        raise ConfigError(f"agent 'chat' (model.path): {e}") from None
-
-
-@hookimpl
 def molt_agents() -> dict:
     return {"chat": ChatRunner}
 
 
 @hookimpl
-def molt_configure(cfg: Any, plugins: Any) -> None:
-    if cfg.agent.name == "chat":
-        a = cfg.agent.args
-        plugins.check_args("agent.args.agent_args", "chat_agent", a["agent"],
-                           a.get("agent_args") or {})
+def molt_configure(cfg: Config, plugins: Any) -> None:
+    """Check the chat agent's arguments, and that the tokenizer (when model.path is a local dir)
+    has the chat template chat agents need."""
+    if cfg.agent.name != "chat":
+        return
+    a = cfg.agent.args
+    plugins.check_args("agent.args.agent_args", "chat_agent", a["agent"],
+                       a.get("agent_args") or {})
+    if Path(cfg.model.path).is_dir():
+        from transformers import AutoTokenizer
+        try:
+            require_chat_template(AutoTokenizer.from_pretrained(cfg.model.path))
+        except ValueError as e:
+            raise ConfigError(f"agent 'chat' (model.path): {e}") from None
 
 
 @hookimpl
