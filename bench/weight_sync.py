@@ -4,13 +4,13 @@ A ~100M-parameter Qwen3 is built from its config (random init, fp32, nothing dow
 engine (`hf`; `vllm` where vLLM is importable, i.e. in .venv-vllm):
 - `in-process`: the engine object in this process, buckets handed to `update_weights` directly
   (the engine's own load cost: no transport);
-- `ray` and `broadcast`: the production path (`weight_sync.send`, as trainer rank 0 runs it minus
+- `ray`, `broadcast` and `shm`: the production path (`weight_sync.send`, as trainer rank 0 runs it minus
   the FSDP gather) from a sender Ray actor to the engine as a Ray actor, by each transport
   (`trainer.weight_sync_transport`); the broadcast group is built once, outside the timing.
 The bound is `tensor.copy_` of the same tensors into preallocated ones.
 
     python bench/weight_sync.py [--bucket-mb 128] [--repeats 3] [--engines hf,vllm]
-                                [--modes in-process,ray,broadcast]
+                                [--modes in-process,ray,broadcast,shm]
 """
 
 from __future__ import annotations
@@ -92,11 +92,12 @@ class Sender:
 
     def connect(self, engines: list) -> None:
         self.group = weight_sync.connect(engines, 120.0)
+        self.channel = weight_sync.connect(engines, 120.0, "shm")
 
-    def sync(self, engines: list, version: int, bucket_bytes: int, broadcast: bool) -> float:
+    def sync(self, engines: list, version: int, bucket_bytes: int, mode: str) -> float:
         t0 = time.perf_counter()
         weight_sync.send(self.named, engines, version, bucket_bytes, 120.0,
-                         self.group if broadcast else None)
+                         {"broadcast": self.group, "shm": self.channel}.get(mode))
         return time.perf_counter() - t0
 
 
@@ -115,14 +116,14 @@ def engine_kwargs(name: str) -> dict:
 def transports(name: str, path: Path, modes: list[str], bucket_bytes: int, repeats: int,
                nbytes: int, bound: float) -> None:
     import ray
-    ray_modes = [m for m in modes if m in ("ray", "broadcast")]
+    ray_modes = [m for m in modes if m in ("ray", "broadcast", "shm")]
     if not ray_modes:
         return
     engine = ray.remote(engine_cls(name)).options(num_cpus=0).remote(str(path),
                                                                       **engine_kwargs(name))
     sender = ray.remote(Sender).options(num_cpus=0).remote(str(path))
     ray.get([engine.get_version.remote(), sender.__ray_ready__.remote()], timeout=600)
-    if "broadcast" in ray_modes:
+    if {"broadcast", "shm"} & set(ray_modes):
         ray.get(sender.connect.remote([engine]), timeout=300)
     version = 100
     for mode in ray_modes:
@@ -130,8 +131,8 @@ def transports(name: str, path: Path, modes: list[str], bucket_bytes: int, repea
         before = ray.get(engine.stats.remote(), timeout=60)
         for _ in range(repeats):
             version += 1
-            best = min(best, ray.get(sender.sync.remote([engine], version, bucket_bytes,
-                                                        mode == "broadcast"), timeout=600))
+            best = min(best, ray.get(sender.sync.remote([engine], version, bucket_bytes, mode),
+                                     timeout=600))
         print(f"  {name + ' ' + mode:<22} {best * 1000:8.1f} ms  "
               f"{nbytes / best / 2**30:6.2f} GiB/s  ({bound / best:.0%} of the bound)")
         after = ray.get(engine.stats.remote(), timeout=60)
@@ -152,11 +153,11 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--engines", default="hf,vllm")
-    ap.add_argument("--modes", default="in-process,ray,broadcast")
+    ap.add_argument("--modes", default="in-process,ray,broadcast,shm")
     args = ap.parse_args()
     modes = args.modes.split(",")
     torch.set_num_threads(1)
-    if any(m in modes for m in ("ray", "broadcast")):
+    if any(m in modes for m in ("ray", "broadcast", "shm")):
         import ray
         os.environ.setdefault("RAY_TMPDIR", os.path.join(tempfile.gettempdir(), "molt-ray"))
         ray.init(num_cpus=2, include_dashboard=False, _temp_dir=os.environ["RAY_TMPDIR"],

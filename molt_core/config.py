@@ -103,7 +103,8 @@ class TrainerConfig:
     weight_sync_timeout_s: float = 120.0   # every sync RPC and collective
     # broadcast: a gloo/NCCL group of trainer rank 0 and the engine workers (faster here, and
     # across nodes); ray: buckets as Ray objects (needed when trainer and engine share a GPU,
-    # which NCCL cannot put in one group; any engine with `update_weights`)
+    # which NCCL cannot put in one group; any engine with `update_weights`); shm: shared-memory
+    # files, double-buffered (every engine on trainer rank 0's node; fastest on one CPU box)
     weight_sync_transport: str = "broadcast"
     # MoE policies: replay (the trainer's forward uses the experts the engine routed each sampled
     # token to; R3) | off (the trainer recomputes routing) | freeze_router (recompute; router
@@ -350,10 +351,10 @@ def validate(cfg: Config) -> None:
          "separators): runs go to out_dir/name-TIME"),
         (t.moe_routing in ("replay", "off", "freeze_router"),
          f"trainer.moe_routing '{t.moe_routing}' unknown; valid: replay, off, freeze_router"),
-        (t.weight_sync_transport in ("ray", "broadcast"),
+        (t.weight_sync_transport in ("ray", "broadcast", "shm"),
          f"trainer.weight_sync_transport '{t.weight_sync_transport}' unknown; valid: ray, "
-         "broadcast"),
-        (t.weight_sync_transport == "ray" or not (0 < t.gpus_per_rank < 1
+         "broadcast, shm"),
+        (t.weight_sync_transport != "broadcast" or not (0 < t.gpus_per_rank < 1
                                                   or 0 < cfg.engine.gpus_per_engine < 1),
          "trainer.weight_sync_transport=broadcast needs trainer and engines on separate GPUs "
          "(NCCL cannot hold two ranks of one GPU); with fractional gpus_per_rank/gpus_per_engine "

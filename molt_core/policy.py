@@ -368,8 +368,8 @@ class PolicyWorker:
     def push_weights(self, engines: list, version: int, bucket_bytes: int, timeout_s: float,
                      transport: str = "ray") -> dict[str, Any]:
         """Gather every parameter (all ranks); rank 0 sends dtype-preserving buckets to engines
-        (`weight_sync.send`), over Ray or, with `transport="broadcast"`, a process group built
-        on the first push to these engines."""
+        (`weight_sync.send`), over Ray or, with `transport="broadcast"`/`"shm"`, a process group
+        / shared-memory channel built on the first push to these engines."""
         named = self._named_full_tensors()
         if self.rank != 0:
             for _ in named:             # each gather is a collective: take part, send nothing
@@ -377,10 +377,11 @@ class PolicyWorker:
             return {}
         try:
             group = None
-            if transport == "broadcast":
+            if transport in ("broadcast", "shm"):
                 key = [e._actor_id for e in engines]
                 if getattr(self, "_group_key", None) != key:
-                    self._group, self._group_key = weight_sync.connect(engines, timeout_s), key
+                    self._group, self._group_key = weight_sync.connect(engines, timeout_s,
+                                                                       transport), key
                 group = self._group
             return weight_sync.send(named, engines, version, bucket_bytes, timeout_s, group)
         except Exception:

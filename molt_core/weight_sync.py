@@ -11,12 +11,19 @@ Transports (`trainer.weight_sync_transport`):
   trainer's default (FSDP) group is untouched. Per bucket the metadata (name, dtype, shape, byte
   offset) goes by Ray (`receive_weights(metas, version)`) and the bytes as one packed buffer by
   broadcast. Every collective has a timeout; a dead peer fails the push within it.
+- `shm` (every engine on trainer rank 0's node): two shared-memory files that rank 0 fills in
+  turn while the engines copy the other one into their weights (`receive_shm(path, nbytes,
+  metas, version)`), so packing bucket k+1 overlaps loading bucket k; both sides map each file
+  once, and it is unlinked after its first push (nothing is left behind in /dev/shm).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 import time
+import uuid
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
@@ -25,7 +32,8 @@ import ray
 import torch
 import torch.distributed as dist
 
-__all__ = ["Meta", "WeightGroup", "WeightSyncError", "connect", "pack", "push", "send", "unpack"]
+__all__ = ["Meta", "ShmChannel", "WeightGroup", "WeightSyncError", "connect", "map_shm", "pack",
+           "push", "send", "unpack"]
 
 Meta = tuple[str, str, list[int], int]          # name, dtype ("float32"), shape, byte offset
 _ALIGN = 64
@@ -64,14 +72,22 @@ def push(workers: list, engines: list, version: int, bucket_bytes: int, timeout_
 # --- sender side (trainer rank 0) --------------------------------------------------------------
 
 def send(named: Iterable[tuple[str, torch.Tensor]], engines: list, version: int,
-         bucket_bytes: int, timeout_s: float, group: WeightGroup | None = None
+         bucket_bytes: int, timeout_s: float, group: WeightGroup | ShmChannel | None = None
          ) -> dict[str, Any]:
-    """Send `named` full tensors to `engines` in buckets (by Ray, or over `group`), then finish."""
+    """Send `named` full tensors to `engines` in buckets (by Ray, over `group`, or through a
+    `ShmChannel`), then finish."""
     t0 = time.perf_counter()
     total, buckets, bucket, size = 0, 0, [], 0
 
     def flush() -> None:
         what = f"bucket {buckets}, version {version}"
+        if isinstance(group, ShmChannel):
+            slot = buckets % 2
+            _wait(group.loading[slot], engines, timeout_s, f"receive_shm ({what})")
+            path, metas, nbytes = group.fill(slot, bucket)
+            group.loading[slot] = [e.receive_shm.remote(path, nbytes, metas, version)
+                                   for e in engines]
+            return
         if group is None:
             ref = ray.put(bucket)               # ray.put copies: no clone needed
             _wait([e.update_weights.remote(ref, version) for e in engines], engines, timeout_s,
@@ -97,15 +113,30 @@ def send(named: Iterable[tuple[str, torch.Tensor]], engines: list, version: int,
     if bucket:
         flush()
         buckets += 1
+    if isinstance(group, ShmChannel):
+        for slot in (0, 1):
+            _wait(group.loading[slot], engines, timeout_s, f"receive_shm (version {version})")
+            group.loading[slot] = []
+        group.unlink()
     _wait([e.finish_weight_update.remote(version) for e in engines], engines, timeout_s,
           f"finish_weight_update (version {version})")
     return {"bytes": total, "buckets": buckets, "seconds": time.perf_counter() - t0}
 
 
-def connect(engines: list, timeout_s: float) -> WeightGroup:
-    """Build the broadcast group: trainer rank 0 (this process) + every engine worker."""
+def connect(engines: list, timeout_s: float, transport: str = "broadcast"
+            ) -> WeightGroup | ShmChannel:
+    """Build the broadcast group (trainer rank 0, this process, + every engine worker), or for
+    `shm` check that every engine shares this node and open the channel."""
     info = _wait([e.weight_group_info.remote() for e in engines], engines, timeout_s,
                  "weight_group_info")
+    if transport == "shm":
+        me = ray.util.get_node_ip_address()
+        remote = [i for i, (_, ip) in enumerate(info) if ip != me]
+        if remote:
+            raise WeightSyncError(f"trainer.weight_sync_transport=shm needs every engine on "
+                                  f"trainer rank 0's node ({me}); engines {remote} are not: use "
+                                  "broadcast")
+        return ShmChannel()
     ranks = [n for n, _ in info]
     world = 1 + sum(ranks)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -207,14 +238,65 @@ class WeightGroup:
         return unpack(self.broadcast(flat), metas)
 
 
-def pack(named: list[tuple[str, torch.Tensor]]) -> tuple[list[Meta], torch.Tensor]:
-    """One uint8 buffer holding every tensor at a 64-byte aligned offset, and its metadata."""
+class ShmChannel:
+    """Trainer rank 0's end of the `shm` transport: two slots (shared-memory files, mapped here
+    and by the engines), each grown to the largest bucket it has held."""
+
+    def __init__(self) -> None:
+        self.dir = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        self.slots: list[tuple[str, torch.Tensor] | None] = [None, None]
+        self.loading: list[list] = [[], []]       # engines' receive_shm calls per slot
+        self.linked: list[str] = []               # files no engine has mapped yet
+
+    def fill(self, slot: int, named: list[tuple[str, torch.Tensor]]
+             ) -> tuple[str, list[Meta], int]:
+        """Pack `named` into `slot`; returns the file, the metadata and the file's size."""
+        metas = _metas(named)
+        need = _nbytes(metas)
+        if self.slots[slot] is None or self.slots[slot][1].numel() < need:
+            if self.slots[slot] is not None:         # its buckets are loaded: it was mapped
+                self.unlink(self.slots[slot][0])
+            path = os.path.join(self.dir, f"molt-weights-{uuid.uuid4().hex}")
+            with open(path, "wb") as f:
+                f.truncate(need)
+            self.slots[slot] = (path, torch.from_file(path, shared=True, size=need,
+                                                      dtype=torch.uint8))
+            self.linked.append(path)
+        path, buf = self.slots[slot]
+        pack(named, buf, metas)
+        return path, metas, buf.numel()
+
+    def unlink(self, only: str | None = None) -> None:
+        """Remove the files' names (the mappings stay) once every engine has mapped them."""
+        for path in [p for p in self.linked if only in (None, p)]:
+            os.unlink(path)
+            self.linked.remove(path)
+
+    def __del__(self) -> None:
+        self.unlink()
+
+
+def map_shm(path: str, nbytes: int) -> torch.Tensor:
+    """An engine's view [nbytes] of a `ShmChannel` slot (map it once, keep it)."""
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def _metas(named: list[tuple[str, torch.Tensor]]) -> list[Meta]:
     metas, off = [], 0
     for name, t in named:
         metas.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), off))
         off += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-    flat = torch.empty(max(off, _ALIGN), dtype=torch.uint8,
-                       device=named[0][1].device if named else "cpu")
+    return metas
+
+
+def pack(named: list[tuple[str, torch.Tensor]], flat: torch.Tensor | None = None,
+         metas: list[Meta] | None = None) -> tuple[list[Meta], torch.Tensor]:
+    """One uint8 buffer (`flat`, or a new one) holding every tensor at a 64-byte aligned offset,
+    and its metadata."""
+    metas = metas or _metas(named)
+    if flat is None:
+        flat = torch.empty(_nbytes(metas), dtype=torch.uint8,
+                           device=named[0][1].device if named else "cpu")
     for (_, _, _, o), (_, t) in zip(metas, named):
         n = t.numel() * t.element_size()
         flat[o:o + n].copy_(t.detach().contiguous().view(-1).view(torch.uint8))

@@ -1,10 +1,11 @@
-"""Weight sync transports (`ray`, `broadcast`): real fsdp2 ranks, real HF engines as Ray actors,
+"""Weight sync transports (`ray`, `broadcast`, `shm`): real fsdp2 ranks, real HF engines as Ray actors,
 real gloo groups. Same weights and log-probs either way; versions switch at the sync; a dead peer
 is an error within seconds."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import threading
 import time
@@ -136,6 +137,17 @@ def test_transports_give_identical_weights_and_logprobs(setup):
     push(policy, [c], 1, "ray")
     trainer = policy.full_params()
     states = ray.get([e.state.remote() for e in (a, b, c)], timeout=60)
+    # shm: engines a and b were given other weights first; many double-buffered buckets,
+    # one of them larger than the slot it reuses (the embedding), fix them again
+    ray.get([e.update_weights.remote([(k, torch.zeros_like(t)) for k, t in trainer.items()], 9)
+             for e in (a, b)], timeout=60)
+    ray.get([e.finish_weight_update.remote(9) for e in (a, b)], timeout=60)
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert push(policy, [a, b], 1, "shm")["buckets"] > 5
+    assert push(policy, [a, b], 1, "shm")["buckets"] > 5       # the slots are reused
+    if os.path.isdir("/dev/shm"):   # the files' names are gone, the mappings stay
+        assert set(os.listdir("/dev/shm")) - before == set()
+    states += ray.get([e.state.remote() for e in (a, b)], timeout=60)
     for state in states:
         assert state.keys() >= trainer.keys()
         for k, t in trainer.items():
@@ -172,7 +184,7 @@ def test_versions_switch_at_a_broadcast_sync(setup, tiny_model_dir):
         assert (lp[part] - torch.tensor(c.logprobs)[part]).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("transport", ["ray", "broadcast"])
+@pytest.mark.parametrize("transport", ["ray", "broadcast", "shm"])
 def test_engine_killed_before_a_sync(setup, tiny_model_dir, transport):
     policy, (a, _, _) = setup
     doomed = probe(str(tiny_model_dir))
@@ -188,7 +200,7 @@ def test_engine_killed_before_a_sync(setup, tiny_model_dir, transport):
     assert ray.get(a.get_version.remote(), timeout=30) == 4
 
 
-@pytest.mark.parametrize("transport", ["ray", "broadcast"])
+@pytest.mark.parametrize("transport", ["ray", "broadcast", "shm"])
 def test_engine_killed_during_a_sync(setup, tiny_model_dir, transport):
     policy, (a, _, _) = setup
     slow = probe(str(tiny_model_dir), delay_s=0.2)

@@ -199,6 +199,17 @@ class HFEngine:
         named = await asyncio.to_thread(self._group.receive, metas)
         await self.update_weights(named, version)
 
+    async def receive_shm(self, path: str, nbytes: int, metas: list[weight_sync.Meta],
+                          version: int) -> None:
+        """Shared-memory transport: load one bucket from a `weight_sync.ShmChannel` slot
+        (mapped on first use; the two latest slots stay mapped)."""
+        maps = self.__dict__.setdefault("_shm", {})
+        if path not in maps:
+            maps[path] = weight_sync.map_shm(path, nbytes)
+            if len(maps) > 2:
+                del maps[next(iter(maps))]
+        await self.update_weights(weight_sync.unpack(maps[path], metas), version)
+
     async def finish_weight_update(self, version: int) -> None:
         """Check every parameter was assigned since the update began, then serve `version`."""
         if self._update_version != version:

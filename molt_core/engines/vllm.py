@@ -422,6 +422,17 @@ class VLLMEngine:
         self._stats["weight_bytes"] += sum(nbytes(dt, shape) for _, dt, shape, _ in metas)
         self._stats["weight_update_s"] += time.perf_counter() - t0
 
+    async def receive_shm(self, path: str, size: int, metas: list[Meta], version: int) -> None:
+        """Shared-memory transport: every worker loads one bucket straight from trainer rank 0's
+        `weight_sync.ShmChannel` file; the first bucket pauses decoding as above."""
+        t0 = time.perf_counter()
+        await self._begin_update(version)
+        worker = (await self._rpc("molt_load_bucket", path, size, metas))[0]
+        self._stats["weight_read_s"] += worker["read_s"]
+        self._stats["weight_load_s"] += worker["load_s"]
+        self._stats["weight_bytes"] += sum(nbytes(dt, shape) for _, dt, shape, _ in metas)
+        self._stats["weight_update_s"] += time.perf_counter() - t0
+
     async def _begin_update(self, version: int) -> None:
         if self._update_version is None:
             await self._call(self._llm.pause_generation(mode="keep", clear_cache=False),
