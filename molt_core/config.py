@@ -149,7 +149,8 @@ class RolloutConfig:
     scheme: str = "sync"                 # sync | async | partial (molt_rollout_schemes)
     groups_per_step: int = 8             # prompt groups in one training batch
     group_size: int = 8                  # rollouts per prompt group
-    max_staleness: int = 0               # weight versions a trainable token may lag
+    max_staleness: int | None = None     # weight versions a trainable token may lag; unset:
+                                         # async/partial ceil(pool / groups_per_step), >= 1
     stale: str = "drop"                  # drop (the whole group) | mask (the stale tokens)
     max_inflight_groups: int = 0         # streaming pool (async/partial): groups running or
                                          # finished-and-waiting; 0 = groups_per_step (one
@@ -371,7 +372,7 @@ def validate(cfg: Config) -> None:
          "eval: every must be >= 0 (0: off), prompts >= 1, k >= 0 (0: greedy only)"),
         (r.groups_per_step >= 1, "rollout.groups_per_step must be >= 1"),
         (r.group_size >= 1, "rollout.group_size must be >= 1"),
-        (r.max_staleness >= 0, "rollout.max_staleness must be >= 0"),
+        (r.max_staleness is None or r.max_staleness >= 0, "rollout.max_staleness must be >= 0"),
         (s.temperature > 0, "sampling.temperature must be > 0 (use a small value for near-greedy)"),
         (0 < s.top_p <= 1, "sampling.top_p must be in (0, 1]"),
         (s.max_new_tokens >= 1, "sampling.max_new_tokens must be >= 1"),
@@ -502,12 +503,25 @@ def _validate_correction(cfg: Config) -> None:
     if r.max_inflight_groups and r.max_inflight_groups < r.groups_per_step:
         raise ConfigError(f"rollout.max_inflight_groups ({r.max_inflight_groups}) must be 0 or >= "
                           f"rollout.groups_per_step ({r.groups_per_step})")
-    if a.correction != "none" and (s.top_p < 1 or s.top_k > 0 or s.min_p > 0):
-        # The engine records log-probs of the full (temperature-scaled) distribution; truncated
-        # sampling makes them differ from the probabilities tokens were really drawn with.
-        raise ConfigError(f"algorithm.correction '{a.correction}' needs untruncated sampling: "
-                          "top_p < 1, top_k > 0 or min_p > 0 bias the behavior log-probs the "
-                          "importance weights are computed from (set top_p=1, top_k=0, min_p=0)")
+    _validate_sampling(s)
+
+
+def _validate_sampling(s: SamplingConfig) -> None:
+    """The trainer computes log-probs of the full softmax at `temperature`; the loss and the
+    importance weights compare them with the engine's behavior log-probs, so sampling that the
+    trainer does not reproduce is rejected rather than silently biasing every update."""
+    why = {"top_k": (s.top_k > 0, 0), "top_p": (s.top_p < 1, 1.0), "min_p": (s.min_p > 0, 0.0),
+           "repetition_penalty": (s.repetition_penalty != 1, 1.0)}
+    for key, (on, off) in why.items():
+        if on:
+            raise ConfigError(
+                f"sampling.{key}={getattr(s, key)}: the trainer cannot reproduce it, so the "
+                "behavior log-probs disagree with the trainer's ("
+                + ("the hf engine records them after the penalty, vLLM too"
+                   if key == "repetition_penalty" else
+                   "tokens are drawn from a truncated distribution; vLLM reports log-probs "
+                   "renormalised over the kept tokens, the hf engine those of the full one")
+                + f") and every ratio and importance weight is biased. Set sampling.{key}={off}")
 
 
 def _validate_terms(t: LossTermsConfig) -> None:

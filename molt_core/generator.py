@@ -41,6 +41,9 @@ class EngineClient:
         self.window_s = window_s
         self.outstanding = [0] * len(engines)
         self._pending: list[tuple[list[int], dict, list[ImageInput], asyncio.Future]] = []
+        self._ids = (f"{id(self):x}-{i}" for i in itertools.count())
+        self._sent: dict[asyncio.Future, tuple[int, str]] = {}   # -> (engine, request id)
+        self.aborts: set[asyncio.Task] = set()
         self.active = 0                          # generate calls sent and not yet answered
         self._gate: asyncio.Event | None = None  # cleared by `hold`: new requests wait
 
@@ -58,6 +61,19 @@ class EngineClient:
             return await fut
         finally:
             self.active -= 1
+            if fut.cancelled() and fut in self._sent:   # the rollout gave up: stop it there too
+                self._abort(*self._sent.pop(fut))
+
+    def _abort(self, i: int, *request_ids: str) -> None:
+        async def abort() -> None:
+            try:
+                await asyncio.wait_for(self.engines[i].abort.remote(list(request_ids)),
+                                       self.timeout_s)
+            except Exception as e:  # the engine is gone or stuck: nothing left to stop
+                log.warning("abort_failed", engine=i, error=f"{type(e).__name__}: {e}")
+        task = asyncio.ensure_future(abort())
+        self.aborts.add(task)
+        task.add_done_callback(self.aborts.discard)
 
     async def hold(self) -> None:
         """Let requests already sent finish; new ones wait until `release`."""
@@ -81,20 +97,29 @@ class EngineClient:
                 asyncio.ensure_future(self._send(i, chunk))
 
     async def _send(self, i: int, chunk: list) -> None:
+        chunk = [c for c in chunk if not c[3].cancelled()]     # given up before it was sent
+        if not chunk:
+            return
         self.outstanding[i] += len(chunk)
+        ids = [next(self._ids) for _ in chunk]
+        self._sent.update((fut, (i, rid)) for (*_, fut), rid in zip(chunk, ids))
         try:
             # Images only where some request has them: text-only engines keep their signature.
             images = {"images": [im for _, _, im, _ in chunk]} if any(c[2] for c in chunk) else {}
             # One timeout per RPC, not per request (a wait_for per request costs ~0.1 ms).
             outs = await asyncio.wait_for(self.engines[i].generate_batch.remote(
-                [p for p, _, _, _ in chunk], [s for _, s, _, _ in chunk], **images), self.timeout_s)
+                [p for p, _, _, _ in chunk], [s for _, s, _, _ in chunk], **images,
+                request_ids=ids), self.timeout_s)
         except asyncio.TimeoutError:
+            self._abort(i, *ids)
             outs = [TimeoutError(f"no engine answered a generate call within {self.timeout_s}s "
                                  "(engine.timeout_s)")] * len(chunk)
         except Exception as e:  # the engine died: every request of the chunk fails with it
             outs = [RuntimeError(f"engine {i} failed: {type(e).__name__}: {e}")] * len(chunk)
         finally:
             self.outstanding[i] -= len(chunk)
+            for *_, fut in chunk:
+                self._sent.pop(fut, None)
         for (_, _, _, fut), out in zip(chunk, outs):
             if not fut.done():
                 fut.set_exception(out) if isinstance(out, Exception) else fut.set_result(out)
@@ -240,6 +265,7 @@ class Generator:
         for t in self._inflight:
             t.cancel()
         await asyncio.gather(*self._inflight, return_exceptions=True)
+        await asyncio.gather(*self.client.aborts, return_exceptions=True)
 
     # -- groups and rollouts ------------------------------------------------------------------
     async def run_group(self, group_id: int) -> list[Trajectory] | None:

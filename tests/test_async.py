@@ -65,7 +65,7 @@ def test_correction_weight_is_detached_and_scales_the_gradient():
 
 
 def test_config_rejects_off_policy_schemes_without_correction(tiny_model_dir):
-    base = [f"model.path={tiny_model_dir}"]
+    base = [f"model.path={tiny_model_dir}", "agent.args.env=next_letter"]
     for scheme in ("async", "partial"):
         with pytest.raises(ConfigError, match="algorithm.correction"):
             load(None, base + [f"rollout.scheme={scheme}"])
@@ -105,14 +105,15 @@ class OldPool:
 
 
 def scheme_cfg(tiny_model_dir, *extra):
-    return load(None, [f"model.path={tiny_model_dir}", "rollout.scheme=async",
-                       "algorithm.correction=tis", "rollout.groups_per_step=3",
-                       *extra])[0]
+    return load(None, [f"model.path={tiny_model_dir}", "agent.args.env=next_letter",
+                       "rollout.scheme=async", "algorithm.correction=tis",
+                       "rollout.groups_per_step=3", *extra])[0]
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])
 def test_max_staleness_never_trains_an_older_token(tiny_model_dir, k):
-    cfg = scheme_cfg(tiny_model_dir, f"rollout.max_staleness={k}")
+    cfg = scheme_cfg(tiny_model_dir, f"rollout.max_staleness={max(k, 1)}")
+    cfg.rollout.max_staleness = k   # 0 is rejected at config time for async; the bound holds
     pool = OldPool([[0, 0], [1, 2], [3, 3], [2, 3], [5, 5], [4, 5], [0, 5]], fresh=5)
     scheme = AsyncScheme(cfg, pool, policy=None, engines=[])
     scheme.version = 5

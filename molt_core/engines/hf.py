@@ -33,7 +33,7 @@ import torch
 from transformers import AutoConfig, DynamicCache, GenerationConfig
 
 from molt_core import moe, multimodal, weight_sync
-from molt_core.engines import SAMPLING_KEYS, check_sampling
+from molt_core.engines import SAMPLING_KEYS, Requests, check_sampling
 from molt_core.trajectory import Completion, ImageInput
 
 __all__ = ["HFEngine", "SAMPLING_KEYS"]
@@ -93,6 +93,7 @@ class HFEngine:
         self._pending: list[_Request] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_task: asyncio.Task | None = None
+        self._requests = Requests()
         self._stats = {"requests": 0, "tokens_generated": 0, "decode_steps": 0, "batches": 0,
                        "prefills": 0, "prefill_tokens": 0, "weight_updates": 0}
 
@@ -103,10 +104,11 @@ class HFEngine:
         return await self._submit(prompt_ids, sampling, images)
 
     async def generate_batch(self, prompts: list[list[int]], samplings: list[dict],
-                             images: list[list[ImageInput]] | None = None
+                             images: list[list[ImageInput]] | None = None,
+                             request_ids: list[str] | None = None
                              ) -> list[Completion | Exception]:
         """Many requests in one call (one RPC instead of one per request); a failed request
-        returns its exception in place."""
+        returns its exception in place; `request_ids` name them for `abort`."""
         images = images or [None] * len(prompts)
         futures = []
         for p, s, i in zip(prompts, samplings, images):
@@ -115,7 +117,12 @@ class HFEngine:
             except Exception as e:   # a bad request fails alone
                 futures.append(asyncio.get_running_loop().create_future())
                 futures[-1].set_exception(e)
-        return await asyncio.gather(*futures, return_exceptions=True)
+        return await self._requests.gather(futures, request_ids)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Stop these requests (their callers gave up): a waiting one never starts, a decoding
+        one leaves its wave before the next token."""
+        self._requests.abort(request_ids)
 
     def _submit(self, prompt_ids: list[int], sampling: dict,
                 images: list[ImageInput] | None) -> asyncio.Future:
@@ -259,6 +266,9 @@ class HFEngine:
                     break
                 n = len(self._pending)
                 await asyncio.sleep(0.001)
+            self._pending = [r for r in self._pending if not r.future.cancelled()]  # aborted
+            if not self._pending:
+                continue
             key = self._pending[0].key()
             wave = [r for r in self._pending if r.key() == key][: self.max_batch_size]
             taken = {id(r) for r in wave}

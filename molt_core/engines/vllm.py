@@ -60,7 +60,7 @@ import numpy as np
 import torch
 
 from molt_core import moe
-from molt_core.engines import SAMPLING_KEYS, check_sampling
+from molt_core.engines import SAMPLING_KEYS, Requests, check_sampling
 from molt_core.weight_sync import Meta, WeightGroup, nbytes, unpack
 from molt_core.trajectory import Completion
 
@@ -251,6 +251,7 @@ class VLLMEngine:
         self._paused = False               # paused by the caller (pause/resume)
         self._update_version: int | None = None
         self._request_ids = itertools.count()
+        self._requests = Requests()
         self._bucket_ids = itertools.count()
         self._stats = {"requests": 0, "tokens_generated": 0, "weight_updates": 0,
                        "weight_bytes": 0, "weight_update_s": 0.0, "start_s": 0.0,
@@ -322,12 +323,15 @@ class VLLMEngine:
         if self._llm is None:
             raise RuntimeError(f"vLLM engine for {self.model_path} is shut down")
         request_id = f"molt-{uuid.uuid4().hex[:12]}"
-        final = None
+        final, n = None, 0
         try:
             async for out in self._llm.generate(
                     TokensPrompt(prompt_token_ids=[int(t) for t in prompt_ids]), params,
                     request_id):
                 final = out
+                if out.outputs:     # counted as they come, so an aborted request's show too
+                    self._stats["tokens_generated"] += len(out.outputs[0].token_ids) - n
+                    n = len(out.outputs[0].token_ids)
         except asyncio.CancelledError:
             await self._llm.abort(request_id)
             raise
@@ -340,7 +344,6 @@ class VLLMEngine:
         finish = {"stop": "stop", "length": "length", "abort": "abort"}.get(
             str(c.finish_reason), str(c.finish_reason))
         self._stats["requests"] += 1
-        self._stats["tokens_generated"] += len(tokens)
         if not self._engine_args.get("enable_return_routed_experts"):
             return Completion(tokens, logprobs, versions, finish)
         prompt_routed, routed = _split_routing(c.routed_experts, len(prompt_ids), len(tokens),
@@ -348,15 +351,20 @@ class VLLMEngine:
         return Completion(tokens, logprobs, versions, finish, routed, prompt_routed)
 
     async def generate_batch(self, prompts: list[list[int]], samplings: list[dict],
-                             images: list | None = None) -> list[Completion | Exception]:
+                             images: list | None = None, request_ids: list[str] | None = None
+                             ) -> list[Completion | Exception]:
         """Many requests in one call (the generator's RPC); a failed request returns its
-        exception in place. Images are not passed to vLLM (VL runs on `hf`; `molt validate`
-        rejects engine=vllm with a VL checkpoint)."""
+        exception in place; `request_ids` name them for `abort`. Images are not passed to vLLM
+        (VL runs on `hf`; `molt validate` rejects engine=vllm with a VL checkpoint)."""
         if images and any(images):
             raise ValueError("engine 'vllm' does not take images; use engine.name=hf for "
                              "vision-language models")
-        return await asyncio.gather(*(self.generate(p, s) for p, s in zip(prompts, samplings)),
-                                    return_exceptions=True)
+        return await self._requests.gather(
+            [self.generate(p, s) for p, s in zip(prompts, samplings)], request_ids)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Stop these requests (their callers gave up): `generate` aborts them in vLLM."""
+        self._requests.abort(request_ids)
 
     async def pause(self) -> None:
         """Stop scheduling; in-flight requests keep their state (vLLM pause mode "keep")."""

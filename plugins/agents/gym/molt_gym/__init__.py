@@ -15,10 +15,10 @@ from molt_core import hookimpl, multimodal
 from molt_core.generator import RolloutContext
 from molt_core.trajectory import ImageInput, Trajectory
 from molt_gym.envs import (Addition, Arithmetic, Colours, Env, GuessNumber, MathProblems,
-                           NextLetter, Observation)
+                           NextLetter, Observation, Spell)
 
 __all__ = ["Addition", "Arithmetic", "Colours", "Env", "GymAgent", "GuessNumber", "MathProblems",
-           "NextLetter"]
+           "NextLetter", "Spell"]
 
 class TemplateMismatch(RuntimeError):
     """The rendered history no longer starts with the tokens already captured."""
@@ -123,4 +123,4 @@ def molt_configure(cfg: Any, plugins: Any) -> None:
 @hookimpl
 def molt_envs() -> dict:
     return {"addition": Addition, "next_letter": NextLetter, "guess_number": GuessNumber,
-            "math": MathProblems, "colours": Colours, "arithmetic": Arithmetic}
+            "math": MathProblems, "colours": Colours, "arithmetic": Arithmetic, "spell": Spell}

@@ -7,8 +7,11 @@ already sent finish under the old weights, new ones wait for the push (so one re
 mixes versions; see `molt-rollout-partial` for switching inside a response). Groups with
 trainable tokens more than `rollout.max_staleness` versions older than the weights being trained
 are dropped (`rollout.stale: drop`) or have those tokens masked (`mask`), counted under
-`rollout/dropped/stale_group` / `rollout/masked/stale_tokens`. Off-policy tokens need an
-importance-sampling correction (`algorithm.correction`), required at config time.
+`rollout/dropped/stale_group` / `rollout/masked/stale_tokens`. Unset, the bound is the pool's
+depth in batches, ceil(pool / groups_per_step): a group waits at most that many steps in the
+normal flow, so only the long tail is dropped; 0 is rejected (every pooled group would be).
+Off-policy tokens need an importance-sampling correction (`algorithm.correction`), required at
+config time.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from molt_core.config import Config, ConfigError
 from molt_core.generator import filter_stale
 from molt_core.trajectory import Trajectory
 
-__all__ = ["AsyncScheme", "require_correction"]
+__all__ = ["AsyncScheme", "default_staleness", "require_correction"]
 
 
 class AsyncScheme:
@@ -28,18 +31,20 @@ class AsyncScheme:
         self.cfg, self.generator, self.policy, self.engines = cfg, generator, policy, engines
         self.version = 0                       # the weights the trainer trains next
         r = cfg.rollout
-        generator.start_pool(r.max_inflight_groups or r.groups_per_step)
+        self.pool_size = r.max_inflight_groups or r.groups_per_step
+        generator.start_pool(self.pool_size)
 
     def next_batch(self, step: int) -> list[list[Trajectory]]:
         return self.refill(self.cfg.rollout.groups_per_step)
 
     def refill(self, n: int) -> list[list[Trajectory]]:
         """n finished groups from the pool within the staleness bound (also what a batch
-        filter such as DAPO's dynamic sampling gets as `refill`)."""
+        filter such as DAPO's dynamic sampling gets as `refill`; n may exceed the pool: it is
+        taken in pool-sized parts as the pool refills)."""
         r = self.cfg.rollout
         out: list[list[Trajectory]] = []
         while len(out) < n:
-            groups = self.generator.take(n - len(out))
+            groups = self.generator.take(min(n - len(out), self.pool_size))
             out += filter_stale(groups, self.version, r.max_staleness, r.stale,
                                 self.generator.counters)
         return out
@@ -61,14 +66,31 @@ def require_correction(cfg: Config, scheme: str) -> None:
     if cfg.rollout.scheme == scheme and cfg.algorithm.correction == "none":
         raise ConfigError(
             f"rollout.scheme '{scheme}' trains on tokens sampled by older weights (up to "
-            f"rollout.max_staleness={cfg.rollout.max_staleness} versions) than the ones being "
+            f"rollout.max_staleness versions) than the ones being "
             "trained; without an importance-sampling correction the update is biased. Set "
             "algorithm.correction to tis, icepop or mis (thresholds in algorithm.correction_args)")
+
+
+def default_staleness(cfg: Config, scheme: str) -> None:
+    r = cfg.rollout
+    if r.scheme != scheme:
+        return
+    depth = -(-(r.max_inflight_groups or r.groups_per_step) // r.groups_per_step)
+    if r.max_staleness is None:
+        r.max_staleness = depth
+    elif r.max_staleness == 0:
+        raise ConfigError(
+            f"rollout.max_staleness=0 with rollout.scheme={scheme}: the pool generates the next "
+            "batch while the trainer steps, so every pooled group is at least one version old "
+            f"and would be {'dropped' if r.stale == 'drop' else 'masked'}. Leave it unset "
+            f"(here: {depth}, the pool's depth in batches), set it >= 1, or use "
+            "rollout.scheme=sync for strictly on-policy batches")
 
 
 @hookimpl
 def molt_configure(cfg: Config) -> None:
     require_correction(cfg, "async")
+    default_staleness(cfg, "async")
 
 
 @hookimpl

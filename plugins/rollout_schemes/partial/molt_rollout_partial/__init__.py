@@ -13,7 +13,7 @@ import ray
 
 from molt_core import hookimpl
 from molt_core.config import Config
-from molt_rollout_async import AsyncScheme, require_correction
+from molt_rollout_async import AsyncScheme, default_staleness, require_correction
 
 __all__ = ["PartialScheme"]
 
@@ -33,6 +33,7 @@ class PartialScheme(AsyncScheme):
 @hookimpl
 def molt_configure(cfg: Config) -> None:
     require_correction(cfg, "partial")
+    default_staleness(cfg, "partial")
 
 
 @hookimpl
