@@ -9,7 +9,7 @@ RECIPE ?= recipes/cpu/next_letter.yaml
 
 SMOLLM2 := .cache/smollm2-135m-instruct
 
-.PHONY: install install-test run test bench clean venv-vllm test-vllm pretrained bench-smollm2 venv-trl bench-trl
+.PHONY: install install-test run test bench clean venv-vllm test-vllm pretrained bench-smollm2 venv-trl bench-trl dist
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,14 @@ run: install $(TINY)/config.json
 test: install-test
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-vllm
+
+# Wheels of molt-core and every plugin, built offline (no build isolation): `pip install
+# --find-links dist/wheelhouse molt-core molt-estimator-grpo ...`; tests/test_dist.py installs them.
+WHEELHOUSE ?= dist/wheelhouse
+dist: install-test
+	rm -rf $(WHEELHOUSE)
+	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w $(WHEELHOUSE) . $(PLUGINS)
+	ls $(WHEELHOUSE)
 
 bench: install $(TINY)/config.json
 	$(BIN)/python bench/step_breakdown.py
@@ -97,4 +105,4 @@ bench-trl: install venv-trl
 	$(BIN)/python bench/vs_trl.py
 
 clean:
-	rm -rf $(VENV) $(VVENV) $(TVENV) .cache runs
+	rm -rf $(VENV) $(VVENV) $(TVENV) .cache runs dist

@@ -14,6 +14,8 @@ the token rewards; a per-rollout estimator sees the rollout's reward minus its s
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -22,7 +24,28 @@ from molt_core.algos import kl_estimate, masked_mean
 from molt_core.config import AlgorithmConfig
 from molt_core.trajectory import Trajectory, collate
 
-__all__ = ["needs_values", "training_batch"]
+__all__ = ["Rollouts", "needs_values", "opt_in", "training_batch"]
+
+
+@dataclass
+class Rollouts:
+    """Per-rollout facts for estimators that declare a `rollouts` parameter ([R], batch order)."""
+    lengths: torch.Tensor          # sampled (trainable) tokens, long
+    tokens: torch.Tensor           # all tokens: prompt, sampled, tool/env replies, long
+    truncated: torch.Tensor        # bool: a completion stopped at sampling.max_new_tokens
+    info: list[dict[str, Any]]     # each trajectory's `info` (what the env/agent recorded)
+    trajectories: list[Trajectory]
+
+    @classmethod
+    def of(cls, trajs: list[Trajectory]) -> Rollouts:
+        return cls(torch.tensor([t.num_trainable for t in trajs]), torch.tensor(list(map(len, trajs))),
+                   torch.tensor([t.truncated for t in trajs]), [t.info for t in trajs], trajs)
+
+
+def opt_in(fn: Callable, **inputs: Any) -> dict[str, Any]:
+    """The richer inputs `fn` asks for by naming them as parameters (the others stay unsent)."""
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in inputs.items() if k in params}
 
 
 def needs_values(estimator: Callable) -> bool:
@@ -41,6 +64,8 @@ def training_batch(trajs: list[Trajectory], estimator: Callable, alg: AlgorithmC
     mask = batch["loss_mask"]
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
     group_index = torch.tensor([t.group_id for t in trajs])
+    batch["group_index"] = group_index[traj_of][:, None]                 # [B, 1], for losses
+    extra = opt_in(estimator, rollouts=Rollouts.of(trajs) if trajs else None)
     metrics: dict[str, float] = {}
     kl = torch.zeros(mask.shape)
     terms = alg.terms
@@ -50,7 +75,8 @@ def training_batch(trajs: list[Trajectory], estimator: Callable, alg: AlgorithmC
         metrics["kl"] = masked_mean(kl, mask).item()
     if not needs_values(estimator):
         penalty = torch.zeros(len(trajs)).index_add_(0, traj_of, kl.sum(-1))
-        adv = estimator(rewards - terms.kl_coef * penalty, group_index, **alg.estimator_args)
+        adv = estimator(rewards - terms.kl_coef * penalty, group_index, **alg.estimator_args,
+                        **extra)
         _check_shapes(alg.estimator, [adv], rewards.shape, "advantages [R] (one per rollout)")
         batch["advantages"] = adv[traj_of][:, None] * batch["attention_mask"]
         return batch, adv, metrics
@@ -59,7 +85,8 @@ def training_batch(trajs: list[Trajectory], estimator: Callable, alg: AlgorithmC
     last = mask.shape[1] - 1 - mask.flip(-1).int().argmax(-1)              # last trainable t
     token_rewards[has, last[has]] += rewards[traj_of][has]
     values = policy.values(batch)
-    out = estimator(token_rewards, values, mask, group_index[traj_of], **alg.estimator_args)
+    out = estimator(token_rewards, values, mask, group_index[traj_of], **alg.estimator_args,
+                    **extra)
     _check_shapes(alg.estimator, out if isinstance(out, tuple) else [out], mask.shape,
                   "(advantages, returns), both [B, T] (needs_values)", 2)
     adv, returns = out

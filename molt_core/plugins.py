@@ -42,6 +42,9 @@ KINDS = {
     "metric_sink": ("molt_metric_sinks", None),          # selected by log.sinks (a list)
 }
 
+# opt-in inputs the core passes to entries that name them (docs/plugins.md), never recipe args
+SUPPLIED = {"estimator": ("rollouts",), "loss": ("group_index", "step", "ref_logprobs")}
+
 
 class PluginError(RuntimeError):
     """A plugin could not be found, loaded or merged."""
@@ -89,7 +92,8 @@ class Plugins:
         parameters, values matching their annotations, required keyword-only ones present."""
         fn = self.get(kind, name)
         what = f"{kind} '{name}' (plugin {self.owner[(kind, name)]})"
-        params = list(inspect.signature(fn).parameters.values())
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.name not in SUPPLIED.get(kind, ())]
         try:
             hints = typing.get_type_hints(fn.__init__ if inspect.isclass(fn) else fn)
         except Exception:   # annotations that do not resolve here (TYPE_CHECKING imports): no check

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from molt_core import cluster, lora, moe, multimodal, weight_sync
+from molt_core.advantage import opt_in
 from molt_core.algos import aggregate, is_correction, loss_terms
 from molt_core.config import TrainerConfig
 
@@ -222,21 +223,27 @@ class PolicyWorker:
             lp = self._logprobs(mb, temperature, moe_out, extras, critic)
             self._trained_lp.append(lp.detach())
             behavior = mb["behavior_logprobs"]
+            # losses that name `group_index` / `ref_logprobs` get them (docs/plugins.md)
+            kw = {**loss_args, **opt_in(loss_fn, group_index=mb.get("group_index"),
+                                        ref_logprobs=None)}
+            kl_loss = terms.get("kl_coef", 0.0) > 0 and terms.get("kl_in", "loss") == "loss"
+            ref = None
+            if kl_loss or "ref_logprobs" in kw:
+                with torch.no_grad():
+                    ref = self._logprobs(mb, temperature, model=self._reference())
+                kw.update({k: ref for k in kw if k == "ref_logprobs"})
             if correction == "none":
-                per_token, metrics = loss_fn(lp, behavior, mb["advantages"], mask, **loss_args)
+                per_token, metrics = loss_fn(lp, behavior, mb["advantages"], mask, **kw)
             else:
-                per_token, metrics = loss_fn(lp, lp.detach(), mb["advantages"], mask, **loss_args)
+                per_token, metrics = loss_fn(lp, lp.detach(), mb["advantages"], mask, **kw)
                 weight, is_metrics = is_correction(lp, behavior, mask, correction,
                                                    **(correction_args or {}))
                 per_token = per_token * weight
                 metrics = {**metrics, **is_metrics}
-            ref = None
-            if terms.get("kl_coef", 0.0) > 0 and terms.get("kl_in", "loss") == "loss":
-                with torch.no_grad():
-                    ref = self._logprobs(mb, temperature, model=self._reference())
             add, term_metrics = loss_terms(
-                lp, extras["entropy"], ref_logprobs=ref, values=extras.get("values"),
-                old_values=mb.get("old_values"), returns=mb.get("returns"),
+                lp, extras["entropy"], ref_logprobs=ref if kl_loss else None,
+                values=extras.get("values"), old_values=mb.get("old_values"),
+                returns=mb.get("returns"),
                 **{k: v for k, v in terms.items() if k not in ("kl_in", "value_lr")})
             per_token, metrics = per_token + add, {**metrics, **term_metrics}
             loss = aggregate(per_token, mask, loss_agg, num_tokens, num_seqs)

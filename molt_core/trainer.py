@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from molt_core import cluster
-from molt_core.advantage import training_batch
+from molt_core.advantage import opt_in, training_batch
 from molt_core.config import Config
 from molt_core.eval import eval_due, evaluate
 from molt_core.generator import Generator, version_lag_metrics
@@ -68,7 +68,8 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                                                          cfg.sampling.temperature,
                                                          tokenizer.pad_token_id or 0)
                 t1 = time.perf_counter()
-                metrics = policy.train(batch, loss_fn, alg.loss_args, alg.loss_agg,
+                loss_args = {**alg.loss_args, **opt_in(loss_fn, step=step)}
+                metrics = policy.train(batch, loss_fn, loss_args, alg.loss_agg,
                                        cfg.sampling.temperature, alg.correction,
                                        alg.correction_args, version, asdict(alg.terms))
                 t2 = time.perf_counter()

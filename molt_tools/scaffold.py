@@ -105,6 +105,8 @@ import math
 
 import torch
 
+from molt_core.testing import fake_groups, run_step
+
 import {module}
 
 
@@ -123,6 +125,16 @@ def test_loss_by_hand_with_a_masked_position():
     loss.sum().backward()
     assert torch.allclose(lp.grad, torch.tensor([[0.0, -1.1, 0.0]]))    # no grad when clipped
     assert metrics["clip_fraction"][0, :2].tolist() == [1.0, 0.0]
+
+
+def test_estimator_and_loss_through_the_trainers_path():
+    """molt_core.testing: the trainer's own batching, broadcast and loss aggregation."""
+    out = run_step({module}.{name}_advantages, {module}.{name}_loss, fake_groups([[1.0, 0.0]]),
+                   estimator_args={{"scale": 1.0}}, loss_args={{"clip": 0.2}})
+    assert out.advantages.tolist() == [0.5, -0.5]
+    mask = out.batch["loss_mask"]
+    assert (out.grad[0][mask[0]] < 0).all() and (out.grad[1][mask[1]] > 0).all()
+    assert (out.grad[~mask] == 0).all()               # prompt tokens get no gradient
 
 
 def test_hooks_register_under_the_plugin_name():

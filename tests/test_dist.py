@@ -1,0 +1,95 @@
+"""`make dist`: the wheels of molt-core and every plugin install into a clean venv from the local
+wheelhouse alone (`pip --no-index --find-links`), list their plugins and train 3 steps; one
+plugin installed alone pulls molt-core from the wheelhouse."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import sysconfig
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+PLUGINS = sorted(p.parent for p in ROOT.glob("plugins/*/*/pyproject.toml"))
+
+
+def _run(cmd: list, timeout: float = 600, **kw) -> str:
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
+                          **kw)
+    assert proc.returncode == 0, f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def _dist_name(project: Path) -> str:
+    return tomllib.loads((project / "pyproject.toml").read_text())["project"]["name"]
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What `make dist` builds (same pip command), into a temp dir."""
+    wh = tmp_path_factory.mktemp("wheelhouse")
+    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+          "-w", wh, ROOT, *PLUGINS])
+    return wh
+
+
+@pytest.fixture(scope="module")
+def deps_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project venv's site-packages without anything Molt (links to torch, ray, transformers,
+    ...): third-party dependencies resolve offline, Molt's distributions only from wheels."""
+    site = tmp_path_factory.mktemp("deps")
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        name = entry.name.lower()
+        if not (name.startswith(("molt", "_molt", "__editable__")) or name.endswith(".pth")):
+            (site / entry.name).symlink_to(entry)
+    return site
+
+
+def _clean_venv(root: Path, deps_site: Path) -> Path:
+    _run([sys.executable, "-m", "venv", "--without-pip", root])
+    py = root / "bin" / "python"
+    purelib = _run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip()
+    (Path(purelib) / "_molt_test_deps.pth").write_text(f"{deps_site}\n")
+    return py
+
+
+def _install(py: Path, wheelhouse: Path, *names: str) -> str:
+    return _run([sys.executable, "-m", "pip", "--python", py, "install", "--no-index",
+                 "--find-links", wheelhouse, *names])
+
+
+def test_wheelhouse_has_core_and_every_plugin(wheelhouse):
+    names = {w.name.split("-")[0] for w in wheelhouse.glob("*.whl")}
+    assert names == {_dist_name(p).replace("-", "_") for p in [ROOT, *PLUGINS]}
+
+
+def test_all_wheels_install_list_and_train(tmp_path, wheelhouse, deps_site, tiny_recipe):
+    py = _clean_venv(tmp_path / "venv", deps_site)
+    _install(py, wheelhouse, *(_dist_name(p) for p in [ROOT, *PLUGINS]))
+    where = _run([py, "-c", "import molt_core, molt_grpo; print(molt_core.__file__, "
+                            "molt_grpo.__file__)"])
+    assert where.count(str(tmp_path / "venv")) == 2          # installed copies, not the checkout
+    molt = tmp_path / "venv" / "bin" / "molt"
+    listed = _run([molt, "plugins"])
+    for project in PLUGINS:
+        assert f"({_dist_name(project)} 0." in listed
+    assert "molt-core" in _run([molt, "--version"])
+    out = _run([molt, "run", tiny_recipe, "trainer.steps=3", "rollout.groups_per_step=2",
+                "--no-progress"], cwd=tmp_path, env={**_env(), "RAY_TMPDIR": str(tmp_path)})
+    assert "(3 steps)" in out
+
+
+def test_one_plugin_alone_pulls_the_core_from_the_wheelhouse(tmp_path, wheelhouse, deps_site):
+    py = _clean_venv(tmp_path / "venv", deps_site)
+    log = _install(py, wheelhouse, "molt-estimator-grpo")
+    assert f"{wheelhouse}/molt_core-" in log and "Successfully installed" in log
+    listed = _run([tmp_path / "venv" / "bin" / "molt", "plugins"])
+    assert "(molt-estimator-grpo 0." in listed and "gym" not in listed
+
+
+def _env() -> dict[str, str]:
+    import os
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
