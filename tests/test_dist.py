@@ -4,9 +4,12 @@ plugin installed alone pulls molt-core from the wheelhouse."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -16,9 +19,10 @@ ROOT = Path(__file__).parents[1]
 PLUGINS = sorted(p.parent for p in ROOT.glob("plugins/*/*/pyproject.toml"))
 
 
-def _run(cmd: list, timeout: float = 600, **kw) -> str:
+def _run(cmd: list, timeout: float = 600, cwd: Path | str = "/", **kw) -> str:
+    """Run outside the checkout (from it, `python -c` would import the source tree's molt_core)."""
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
-                          **kw)
+                          cwd=cwd, **kw)
     assert proc.returncode == 0, f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
@@ -77,8 +81,12 @@ def test_all_wheels_install_list_and_train(tmp_path, wheelhouse, deps_site, tiny
     for project in PLUGINS:
         assert f"({_dist_name(project)} 0." in listed
     assert "molt-core" in _run([molt, "--version"])
-    out = _run([molt, "run", tiny_recipe, "trainer.steps=3", "rollout.groups_per_step=2",
-                "--no-progress"], cwd=tmp_path, env={**_env(), "RAY_TMPDIR": str(tmp_path)})
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")     # unix socket paths are short
+    try:
+        out = _run([molt, "run", tiny_recipe, "trainer.steps=3", "rollout.groups_per_step=2",
+                    "--no-progress"], env={**_env(), "RAY_TMPDIR": ray_tmp})
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert "(3 steps)" in out
 
 
@@ -91,5 +99,4 @@ def test_one_plugin_alone_pulls_the_core_from_the_wheelhouse(tmp_path, wheelhous
 
 
 def _env() -> dict[str, str]:
-    import os
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
