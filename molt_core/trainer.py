@@ -85,6 +85,7 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                                                                     cfg.sampling.temperature)
                 check_consistency(cfg, step, metrics)
                 metrics.update({"version": version, "time/generate_s": t_gen,
+                                "time/engine_busy_s": generator.client.busy_s(),
                                 "time/train_s": t2 - t1, "time/weight_sync_s": t3 - t2,
                                 "time/step_s": time.perf_counter() - t0})
                 plugins.hook.molt_on_step_end(step=step, metrics=metrics)

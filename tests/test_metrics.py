@@ -62,3 +62,27 @@ def test_reward_spread_metrics():
     m = rollout_metrics(trajs, rewards, torch.zeros(6))
     assert m["reward/zero_std_groups"] == pytest.approx(2 / 3)
     assert m["reward/std"] == pytest.approx(rewards.std(unbiased=False).item())
+
+
+def test_engine_busy_time_counts_generation_the_driver_did_not_wait_for():
+    import asyncio
+    from types import SimpleNamespace
+
+    from molt_core.generator import EngineClient
+    from molt_core.trajectory import Completion
+
+    async def generate_batch(prompts, samplings, **kw):   # stand-in engine (the client's view
+        await asyncio.sleep(0.3)                            # of a Ray actor): fixed time per batch
+        return [Completion([1], [-0.1], [0]) for _ in prompts]
+
+    engine = SimpleNamespace(generate_batch=SimpleNamespace(remote=generate_batch))
+    client = EngineClient([engine, engine], 30.0)
+
+    async def main():
+        assert client.busy_s() == 0.0
+        await asyncio.gather(*(client.generate([i], {}) for i in range(4)))   # both engines
+        await client.generate([5], {})                                          # one engine
+        return client.busy_s(), client.busy_s()
+
+    first, second = asyncio.run(main())
+    assert first >= (0.3 + 0.3 + 0.3) / 2 and second == 0.0    # mean over the two engines

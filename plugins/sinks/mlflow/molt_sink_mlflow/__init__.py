@@ -11,8 +11,6 @@ from typing import Any
 
 from molt_core import hookimpl
 
-__all__ = ["MlflowConfig", "MlflowSink"]
-
 
 @dataclass
 class MlflowConfig:
@@ -23,20 +21,18 @@ class MlflowConfig:
 class MlflowSink:
     def __init__(self, run_dir: Path | None, cfg: Any) -> None:
         from mlflow import MlflowClient
-        opts = cfg.plugins["mlflow"]
-        root = Path(run_dir or ".").resolve()
-        if not opts.tracking_uri:     # MLflow 3 keeps the file store but wants an explicit opt-in
+        o, root = cfg.plugins["mlflow"], Path(run_dir or ".").resolve()
+        if not o.tracking_uri:        # MLflow 3 keeps the file store but wants an explicit opt-in
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self.client = MlflowClient(opts.tracking_uri or (root / "mlruns").as_uri())
-        exp = self.client.get_experiment_by_name(opts.experiment)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(opts.experiment)
+        self.client = MlflowClient(o.tracking_uri or (root / "mlruns").as_uri())
+        exp = self.client.get_experiment_by_name(o.experiment)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(o.experiment)
         self.run_id = self.client.create_run(exp_id, run_name=root.name).info.run_id
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         from mlflow.entities import Metric
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step)
-                                                    for k, v in metrics.items()])
+        self.client.log_batch(self.run_id, [Metric(k, v, now, step) for k, v in metrics.items()])
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)

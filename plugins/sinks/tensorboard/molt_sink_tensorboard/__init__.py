@@ -7,8 +7,6 @@ from typing import Any
 
 from molt_core import hookimpl
 
-__all__ = ["TensorBoardSink"]
-
 
 class TensorBoardSink:
     def __init__(self, run_dir: Path | None, cfg: Any) -> None:

@@ -10,8 +10,6 @@ from typing import Any
 from molt_core import hookimpl
 from molt_core.config import to_dict
 
-__all__ = ["WandbConfig", "WandbSink"]
-
 
 @dataclass
 class WandbConfig:
@@ -23,11 +21,10 @@ class WandbConfig:
 class WandbSink:
     def __init__(self, run_dir: Path | None, cfg: Any) -> None:
         import wandb
-        opts = cfg.plugins["wandb"]
-        self.run = wandb.init(project=opts.project, entity=opts.entity or None, mode=opts.mode,
-                              dir=str(run_dir or "."), name=run_dir.name if run_dir else None,
-                              settings=wandb.Settings(quiet=True),
-                              config={k: v for k, v in to_dict(cfg).items() if k != "plugins"})
+        o, config = cfg.plugins["wandb"], {k: v for k, v in to_dict(cfg).items() if k != "plugins"}
+        self.run = wandb.init(project=o.project, entity=o.entity or None, mode=o.mode,
+                              dir=str(run_dir or "."), name=run_dir and run_dir.name,
+                              config=config, settings=wandb.Settings(quiet=True))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)

@@ -1,0 +1,109 @@
+"""`molt view`: the static HTML viewer in a real headless Chromium (DOM after its script ran, and
+a screenshot), and the rich terminal view. Trajectories are built and saved in-test (the store's
+own writer), so no training run is needed."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import matplotlib.image
+import numpy as np
+import pytest
+import torch
+import yaml
+from rich.console import Console
+from transformers import AutoTokenizer
+
+from molt_core.cli import main
+from molt_core.trajectory import Completion, ImageInput, Trajectory
+from molt_core.trajectory_store import trajectory_rows, write_trajectories
+from molt_tools.view import load_rows, render_terminal, token_roles
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+needs_browser = pytest.mark.skipif(CHROMIUM is None,
+                                   reason="no chromium (apt-get install chromium)")
+
+
+def ids(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False).input_ids
+
+
+@pytest.fixture
+def run_dir(tmp_path, tiny_chars_dir) -> Path:
+    """Step 0: a two-turn rollout (env feedback between the turns, reward per turn) and a
+    one-turn one; step 1: a two-segment rollout sampled by versions 1 and 2, with a trainer gap."""
+    tok = AutoTokenizer.from_pretrained(tiny_chars_dir)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"model": {"path": str(tiny_chars_dir)}}))
+    a = Trajectory(0, 0, reward=1.5, turn_rewards=[0.5, 1.0])
+    a.add_prompt(ids(tok, "guess 1-9: "))
+    a.add_completion(Completion(ids(tok, "5"), [-0.7], [0]))
+    a.add_prompt(ids(tok, " lower "))
+    a.add_completion(Completion(ids(tok, "3"), [-0.2], [0]))
+    b = Trajectory(0, 1, reward=0.0)
+    b.add_prompt(ids(tok, "guess 1-9: "))
+    b.add_completion(Completion(ids(tok, "9"), [-2.0], [0]))
+    c = Trajectory(1, 0, reward=0.25)
+    c.add_prompt(ids(tok, "after c "), [ImageInput(torch.ones(4, 6), [1, 2, 2], 0, 2)])
+    c.add_completion(Completion(ids(tok, "dd"), [-0.1, -0.3], [1, 2]))
+    c.segments.append(len(c))
+    c.add_prompt(ids(tok, "again "))
+    c.add_completion(Completion(ids(tok, "e"), [-0.4], [2]))
+    out = tmp_path / "trajectories"
+    out.mkdir()
+    for step, trajs in ((0, [a, b]), (1, [c])):
+        lp = [[x + (0.5 if t is c and m else 0.0) for x, m in zip(t.logprobs, t.loss_mask)]
+              for t in trajs]
+        write_trajectories(out / f"step_{step:06d}.parquet", trajectory_rows(step, trajs, tok, lp))
+    return tmp_path
+
+
+def test_roles_and_terminal_view(run_dir):
+    rows = load_rows(run_dir)
+    assert [r["reward"] for r in rows] == [1.5, 0.0, 0.25]
+    roles = token_roles(rows[0])
+    assert roles[0] == "prompt" and roles[-1] == "trainable" and "tool" in roles
+    assert "tool" not in token_roles(rows[2]), "a new segment starts with its own prompt"
+    assert rows[2]["images"][0]["num_tokens"] == 2 and len(rows[2]["images"][0]["ref"]) == 16
+    console = Console(record=True, width=120, file=open("/dev/null", "w"))
+    render_terminal(rows, "role", console)
+    text = console.export_text()
+    assert "step 0  group 0  rollout 0  reward 1.500  turns [0.5, 1.0]" in text
+    assert "guess 1-9: 5 [r=0.5] lower 3 [r=1]" in text and "after c dd ‖ again e" in text
+    console = Console(record=True, width=120, color_system="standard", file=open("/dev/null", "w"))
+    render_terminal(rows[2:], "gap", console)
+    assert "\x1b[1;31md" in console.export_text(styles=True)     # |gap| 0.5: red
+
+
+def chromium(*args: str) -> str:
+    """The page as the browser rendered it, without its scripts (the data and the templates)."""
+    out = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
+                          "--disable-dev-shm-usage", "--virtual-time-budget=3000", *args],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    return re.sub(r"<script.*?</script>", "", out, flags=re.S)
+
+
+@needs_browser
+def test_html_view_in_headless_chromium(run_dir, tmp_path, capsys):
+    assert main(["view", str(run_dir)]) == 0
+    page = run_dir / "view.html"
+    assert f"view: {page} (3 rollouts)" in capsys.readouterr().out
+    url = page.resolve().as_uri()
+    dom = chromium("--dump-dom", url)                  # first step shown by default
+    assert dom.count('class="rollout"') == 2 and "2 of 3 rollouts" in dom
+    assert 'class="tok trainable"' in dom and 'class="tok tool"' in dom
+    assert 'class="tok prompt"' in dom and dom.count('class="treward"') == 2
+    dom = chromium("--dump-dom", url + "?step=all&rmin=0.2&rmax=1")   # search by reward
+    assert dom.count('class="rollout"') == 1 and 'data-reward="0.25"' in dom
+    assert 'class="seg"' in dom
+    dom = chromium("--dump-dom", url + "?step=1&colour=version")
+    assert "v1</span>" in dom and "v2</span>" in dom and "hsl(330,70%,80%)" in dom
+    assert "[image 2 tokens]" in dom
+    shot = tmp_path / "shot.png"
+    chromium(f"--screenshot={shot}", "--window-size=1000,700", url)
+    img = matplotlib.image.imread(shot)[..., :3]
+    assert img.shape[:2] == (700, 1000) and img.std() > 0.02
+    trainable = np.array([0xb9, 0xf6, 0xca]) / 255                      # .trainable background
+    assert (np.abs(img - trainable).max(-1) < 0.02).sum() > 20, "no trainable token drawn"
