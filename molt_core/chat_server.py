@@ -287,11 +287,11 @@ class ChatServer:
 
     host = "127.0.0.1"
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.sessions: dict[str, ChatSession] = {}
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((self.host, 0))
+        self._sock.bind((self.host, port))
         self._sock.listen(1024)
         self.port: int = self._sock.getsockname()[1]
         self._server: Any = None

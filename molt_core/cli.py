@@ -124,6 +124,10 @@ COMMANDS: dict[str, tuple[str, Callable | str, Callable | str]] = {
                    "molt_tools.pretrained:add_args", "molt_tools.pretrained:main"),
     "eval": ("evaluate a model or checkpoint on a recipe's held-out prompts",
              "molt_tools.evaluate:add_args", "molt_tools.evaluate:main"),
+    "serve": ("serve the recipe's policy to agents (engine + chat server, no training)",
+              "molt_tools.agent_dev:serve_args", "molt_tools.agent_dev:serve"),
+    "rollout": ("run the recipe's agent N times, save and show the trajectories (no training)",
+                "molt_tools.agent_dev:rollout_args", "molt_tools.agent_dev:rollout"),
 }
 
 

@@ -1,0 +1,55 @@
+"""`molt rollout` and `molt serve` (molt_tools.agent_dev): real Ray engines, no trainer."""
+
+from __future__ import annotations
+
+import threading
+
+import openai
+
+from molt_core.cli import main, parse
+from molt_core.trajectory_store import read_trajectories
+from molt_tools.agent_dev import serve
+
+
+def test_rollout_saves_training_format_and_prints_rewards(ray_local, tiny_recipe, tmp_path,
+                                                          capsys):
+    out = tmp_path / "out"
+    assert main(["rollout", tiny_recipe, "-n", "3", f"out_dir={out}"]) == 0
+    printed = capsys.readouterr().out
+    (run_dir,) = out.iterdir()
+    rows = read_trajectories(run_dir)
+    assert len(rows) == 3 and {r["step"] for r in rows} == {0}
+    assert all(len(r["token_ids"]) == len(r["loss_mask"]) == len(r["behavior_logprobs"])
+               and any(r["loss_mask"]) for r in rows)
+    for i, r in enumerate(rows):
+        assert f"rollout {i}: task {r['task']}, reward {r['reward']:.3f}" in printed
+    assert printed.count("⟦") >= 3 and "mean reward" in printed
+
+
+def test_serve_answers_sdks_and_saves_the_trajectory(ray_local, tiny_recipe, tmp_path):
+    args = parse(["serve", tiny_recipe, f"out_dir={tmp_path}"])
+    got: dict = {}
+    ready, stop = threading.Event(), threading.Event()
+    result: list[int] = []
+
+    def on_ready(info: dict) -> None:
+        got.update(info)
+        ready.set()
+
+    t = threading.Thread(target=lambda: result.append(serve(args, on_ready, stop)))
+    t.start()
+    try:
+        assert ready.wait(300), "serve did not come up"
+        client = openai.OpenAI(base_url=got["openai_base_url"], api_key=got["api_key"],
+                               max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["molt-policy"]
+        r = client.chat.completions.create(model="p", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=4, logprobs=True)
+        n = r.usage.completion_tokens
+    finally:
+        stop.set()
+        t.join(120)
+    assert result == [0]
+    (row,) = read_trajectories(got["run_dir"])
+    assert sum(row["loss_mask"]) == n
+    assert row["behavior_logprobs"][-n:] == [e.logprob for e in r.choices[0].logprobs.content]
