@@ -25,6 +25,7 @@ Semantic differences that remain:
   no asynchronous mode here, so async rows compare with TRL's (synchronous) run.
 
     python bench/vs_trl.py [--steps 80] [--schemes sync,async] [--levels 0.3,0.5] [--window 10]
+                           [--threads N]
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ def run_trl(spec: dict) -> dict:
                 steps.append({"t": time.time(), "reward": logs["reward"],
                               "gen_s": gen_s[-1] if gen_s else 0.0})
 
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
     tok = AutoTokenizer.from_pretrained(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     args = GRPOConfig(
@@ -174,6 +177,8 @@ def main() -> None:
     ap.add_argument("--levels", default="0.3,0.5")
     ap.add_argument("--schemes", default="sync,async")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=0, help="intra-op threads of TRL's process "
+                    "and of each Molt actor (Molt: ray.num_cpus); 0: each side's default")
     ap.add_argument("--trl-python", default=str(ROOT / ".venv-trl/bin/python"))
     args = ap.parse_args()
     if args.worker:
@@ -192,7 +197,7 @@ def main() -> None:
     common = [f"model.path={model_dir}", f"seed={args.seed}", f"trainer.steps={args.steps}",
               f"rollout.groups_per_step={g['prompts']}", f"rollout.group_size={g['samples']}",
               f"sampling.max_new_tokens={g['new_tokens']}", f"trainer.lr={g['lr']}",
-              f"algorithm.terms.entropy_coef={g['entropy_coef']}", "check.consistency_every=0"]
+              f"algorithm.terms.entropy_coef={g['entropy_coef']}", "check.consistency_every=0"] + ([f"ray.num_cpus={args.threads}"] if args.threads else [])
     scheme_args = {"sync": ["rollout.scheme=sync"],
                    "async": ["rollout.scheme=async", "rollout.max_staleness=1",
                              "algorithm.correction=tis"]}
@@ -200,6 +205,7 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         trl_spec = {"model": str(ROOT / model_dir), "steps": args.steps, "seed": args.seed,
+                    "threads": args.threads,
                     "geometry": g, "out_dir": tmp + "/trl",
                     "tasks": tasks(args.seed, args.steps * g["prompts"], env_args["hi"])}
         results["trl"] = launch(args.trl_python, "trl", trl_spec, Path(tmp))

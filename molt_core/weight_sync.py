@@ -32,11 +32,12 @@ import ray
 import torch
 import torch.distributed as dist
 
-__all__ = ["Meta", "ShmChannel", "WeightGroup", "WeightSyncError", "connect", "map_shm", "pack",
-           "push", "send", "unpack"]
+__all__ = ["Meta", "ShmChannel", "WeightGroup", "WeightSyncError", "connect", "pack", "push",
+           "send", "unpack"]
 
 Meta = tuple[str, str, list[int], int]          # name, dtype ("float32"), shape, byte offset
 _ALIGN = 64
+_SHM = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 class WeightSyncError(RuntimeError):
@@ -243,7 +244,6 @@ class ShmChannel:
     and by the engines), each grown to the largest bucket it has held."""
 
     def __init__(self) -> None:
-        self.dir = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         self.slots: list[tuple[str, torch.Tensor] | None] = [None, None]
         self.loading: list[list] = [[], []]       # engines' receive_shm calls per slot
         self.linked: list[str] = []               # files no engine has mapped yet
@@ -256,7 +256,7 @@ class ShmChannel:
         if self.slots[slot] is None or self.slots[slot][1].numel() < need:
             if self.slots[slot] is not None:         # its buckets are loaded: it was mapped
                 self.unlink(self.slots[slot][0])
-            path = os.path.join(self.dir, f"molt-weights-{uuid.uuid4().hex}")
+            path = os.path.join(_SHM, f"molt-weights-{uuid.uuid4().hex}")
             with open(path, "wb") as f:
                 f.truncate(need)
             self.slots[slot] = (path, torch.from_file(path, shared=True, size=need,
@@ -274,11 +274,6 @@ class ShmChannel:
 
     def __del__(self) -> None:
         self.unlink()
-
-
-def map_shm(path: str, nbytes: int) -> torch.Tensor:
-    """An engine's view [nbytes] of a `ShmChannel` slot (map it once, keep it)."""
-    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
 def _metas(named: list[tuple[str, torch.Tensor]]) -> list[Meta]:

@@ -212,7 +212,7 @@ class HFEngine:
         (mapped on first use; the two latest slots stay mapped)."""
         maps = self.__dict__.setdefault("_shm", {})
         if path not in maps:
-            maps[path] = weight_sync.map_shm(path, nbytes)
+            maps[path] = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
             if len(maps) > 2:
                 del maps[next(iter(maps))]
         await self.update_weights(weight_sync.unpack(maps[path], metas), version)
