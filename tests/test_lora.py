@@ -97,6 +97,11 @@ def test_lora_trains_adapters_only_syncs_merged_and_exports(ray_local, tiny_mode
         peft_model = PeftModel.from_pretrained(
             AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), out / "adapter")
         assert (reference_logprobs(peft_model, batch) - trainer_lp).abs().max() < 1e-4
+        # `molt eval ADAPTER_DIR`: the adapter merged into its base model
+        from molt_tools.evaluate import model_dir
+        merged_dir = model_dir(str(out / "adapter"), tmp_path / "merged")
+        again = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+        assert (reference_logprobs(again, batch) - trainer_lp).abs().max() < 1e-4
     finally:
         policy.shutdown()
         ray.kill(engine)
