@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import html
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-reward", type=float, default=None)
     p.add_argument("--colour", default="role", choices=["role", "version", "gap"])
     p.add_argument("--limit", type=int, default=20, help="rollouts printed (--terminal)")
+    p.add_argument("--per-step", type=int, default=64,
+                   help="rollouts per step put in the HTML file (0: all)")
     p.add_argument("--tokenizer", default=None, help="default: the run's model.path")
 
 
@@ -137,6 +140,13 @@ def main(args: argparse.Namespace) -> int:
     if args.terminal:
         render_terminal(rows, args.colour, limit=args.limit)
         return 0
+    seen: Counter[int] = Counter()
+    kept = []
+    for r in rows:
+        seen[r["step"]] += 1
+        if not args.per_step or seen[r["step"]] <= args.per_step:
+            kept.append(r)
+    rows = kept
     out = write_html(rows, args.out or Path(args.run_dir) / "view.html",
                      f"molt view: {Path(args.run_dir).resolve().name}")
     print(f"view: {out} ({len(rows)} rollouts)")
