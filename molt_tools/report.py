@@ -30,14 +30,15 @@ PLOTS: dict[str, tuple[str, str, list[str]]] = {
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """`metrics.jsonl` rows, plus `tokens_per_s` (trainable tokens trained per second of step);
-    a resumed run's repeated steps keep their last row."""
+    """`metrics.jsonl` rows merged per step (training and evaluation rows; a resumed run's
+    repeated steps keep their last values), plus `tokens_per_s` (trainable tokens trained per
+    second of step)."""
     rows: dict[int, dict[str, Any]] = {}
     with open(Path(run_dir) / "metrics.jsonl") as f:
         for line in f:
             if line.strip():
                 row = json.loads(line)
-                rows[row["step"]] = row
+                rows.setdefault(row["step"], {}).update(row)
     for row in rows.values():
         if row.get("time/step_s") and "response/len_mean" in row:
             row["tokens_per_s"] = (row["response/len_mean"] * row.get("rollout/trajectories", 1)

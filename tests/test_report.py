@@ -22,9 +22,10 @@ def fake_run(path, shift: float, steps: int = 6):
     with open(path / "metrics.jsonl", "w") as f:
         for s in range(steps):
             row = {k: abs(math.sin(s + i + shift)) + 0.1 for i, k in enumerate(KEYS)}
-            if s % 2:
-                row.pop("eval/accuracy")          # eval runs every other step
+            evaluation = {"eval/accuracy": row.pop("eval/accuracy")}
             f.write(json.dumps({"step": s, "time": 1e9 + s, "elapsed_s": s, **row}) + "\n")
+            if s % 2 == 0:                        # evaluation rows of their own, every 2 steps
+                f.write(json.dumps({"step": s, **evaluation}) + "\n")
 
 
 def test_report_on_two_runs(tmp_path, capsys):
@@ -40,6 +41,7 @@ def test_report_on_two_runs(tmp_path, capsys):
         assert img.shape[0] > 100 and img[..., :3].std() > 0.05, plot
     assert drawn["eval"] == {"run-a: eval/accuracy": 3, "run-b: eval/accuracy": 2}
     assert drawn["tokens_per_s"]["run-b: tokens_per_s"] == 4
+    assert drawn["reward"]["run-a: reward/mean"] == 6, "evaluation rows merge into their step"
     assert main(["report", str(a)]) == 0
     assert f"report: {a / 'report'} (10 plots)" in capsys.readouterr().out
     assert len(list((a / "report").glob("*.png"))) == len(PLOTS)
