@@ -468,7 +468,7 @@ def test_generator_close_shuts_the_shared_server_down(tiny_model_dir):
     from molt_core.cli import load
     from molt_core.generator import Generator
 
-    gen = Generator(None, [], load(None, [f"model.path={tiny_model_dir}"])[0], None, 0)
+    gen = Generator(None, [], load(None, [f"model.path={tiny_model_dir}", "agent.args.env=next_letter"])[0], None, 0)
     server = gen.submit(shared_server()).result(timeout=10)
     socket.create_connection((server.host, server.port), timeout=2).close()   # serving
     gen.close()
