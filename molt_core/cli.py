@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from molt_core.config import Config, ConfigError, load_config, to_dict
+from molt_core.metrics import RunDirError
 from molt_core.plugins import KINDS, PluginError, Plugins, build_plugins
 
 __all__ = ["COMMANDS", "load", "main", "parse"]
@@ -37,8 +38,14 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
-    _recipe_args(p)
+    p.add_argument("recipe", nargs="?", help="with --resume: optional (default: the run's config)")
+    p.add_argument("overrides", nargs="*", default=[], metavar="key=value",
+                   help="config overrides, e.g. trainer.steps=50 seed=1 (before or after options)")
+    _plugin_args(p)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its latest "
+                   "checkpoint (the config may change only in checkpoint.SAFE_TO_CHANGE)")
+    p.add_argument("--checkpoint", metavar="PATH", help="with --resume: this checkpoint")
 
 
 def load(recipe: str | None, overrides: list[str], plugin_names: list[str] = (),
@@ -81,14 +88,24 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.resume:
+        from molt_core.checkpoint import prepare_resume, resume_recipe
+        args.recipe, args.overrides = resume_recipe(args.resume, args.recipe, args.overrides)
+    if args.recipe is None:
+        raise ConfigError("molt run needs a recipe (or --resume RUN_DIR)")
     cfg, plugins = load(args.recipe, args.overrides, args.plugin, args.blocked)
     from molt_core.metrics import configure_logging, make_run_dir
     configure_logging(fmt=cfg.log.format)
     from molt_core.trainer import train
-    run_dir = make_run_dir(cfg.out_dir, cfg.name, to_dict(cfg), plugins.info, cfg.seed,
-                           ["molt", *args.argv])
-    print(f"run dir: {run_dir}", file=sys.stderr)
-    history = train(cfg, plugins, run_dir, progress=not args.no_progress)
+    resume = None
+    if args.resume:
+        run_dir, resume = prepare_resume(args.resume, args.checkpoint, cfg, ["molt", *args.argv])
+    else:
+        run_dir = make_run_dir(cfg.out_dir, cfg.name, to_dict(cfg), plugins.info, cfg.seed,
+                               ["molt", *args.argv])
+    print(f"run dir: {run_dir}" + (f" (resuming {resume.name})" if resume else ""),
+          file=sys.stderr)
+    history = train(cfg, plugins, run_dir, progress=not args.no_progress, resume=resume)
     steps = [h for h in history if "reward/mean" in h]      # not the eval rows
     if steps:
         first, last = steps[0]["reward/mean"], steps[-1]["reward/mean"]
@@ -128,6 +145,8 @@ COMMANDS: dict[str, tuple[str, Callable | str, Callable | str]] = {
               "molt_tools.agent_dev:serve_args", "molt_tools.agent_dev:serve"),
     "rollout": ("run the recipe's agent N times, save and show the trajectories (no training)",
                 "molt_tools.agent_dev:rollout_args", "molt_tools.agent_dev:rollout"),
+    "export": ("a checkpoint (or a run dir: its latest) as a plain HF model directory",
+               "molt_tools.export:add_args", "molt_tools.export:main"),
 }
 
 
@@ -190,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     try:
         return _resolve(COMMANDS[args.command][2])(args)
-    except (ConfigError, PluginError) as e:   # ConfigError may come late (e.g. once Ray is up)
+    except (ConfigError, PluginError, RunDirError) as e:   # may come late (once Ray is up)
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -92,6 +92,8 @@ class TrainerConfig:
     cpus_per_rank: float = 0.0           # Ray CPUs reserved per rank (0: none, small CPU runs)
     resources: dict = field(default_factory=dict)   # custom Ray resources per rank (placement)
     steps: int = 100                     # optimizer steps (one rollout batch each)
+    save_every: int = 0                  # checkpoint every N steps (0: only at the end)
+    keep_last: int = 2                   # checkpoints kept (older ones are deleted)
     lr: float = 1e-3                     # AdamW learning rate
     weight_decay: float = 0.0            # AdamW weight decay
     betas: list = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
@@ -342,6 +344,8 @@ def validate(cfg: Config) -> None:
     checks = [
         (t.steps > 0, f"trainer.steps must be > 0 (got {t.steps})"),
         (t.num_ranks >= 1, f"trainer.num_ranks must be >= 1 (got {t.num_ranks})"),
+        (t.save_every >= 0 and t.keep_last >= 1,
+         "trainer.save_every must be >= 0 (0: only at the end) and trainer.keep_last >= 1"),
         (t.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1"),
         (t.lr > 0, f"trainer.lr must be > 0 (got {t.lr})"),
         (t.grad_clip > 0, f"trainer.grad_clip must be > 0 (got {t.grad_clip})"),

@@ -13,7 +13,6 @@ place, so the engines never drain between training steps (the async and partial 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import sys
 import threading
 import time
@@ -163,12 +162,13 @@ class Generator:
         self.client = EngineClient(engines, cfg.engine.timeout_s)
         self.sampling = {**vars(cfg.sampling)}
         self.counters: Counter[str] = Counter()
-        self._group_ids = itertools.count()
+        self._next_group = 0                  # the task cursor: group ids are handed out in order
+        self._reissue: list[int] = []         # resumed: in-flight groups to run again first
         self._vocab = vocab_size             # the model's, which may exceed len(tokenizer)
         self._pool_cap = 0                    # streaming pool: 0 = not started
         self._pool_open = False
         self._buffer: list[list[Trajectory]] = []    # finished groups, in completion order
-        self._inflight: set[asyncio.Task] = set()
+        self._inflight: dict[asyncio.Task, int] = {}   # running group -> its id
         self._pool_error: BaseException | None = None
         self._failed_in_a_row = 0
         self._changed: asyncio.Event | None = None
@@ -179,6 +179,35 @@ class Generator:
 
     def task_of(self, group_id: int) -> int:
         return self.cfg.seed * 1_000_003 + group_id
+
+    def new_group_id(self) -> int:
+        if self._reissue:
+            return self._reissue.pop(0)
+        self._next_group += 1
+        return self._next_group - 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Task cursor, counters and the pool: finished groups and the ids of running ones."""
+        async def snap() -> dict[str, Any]:
+            return {"next_group": self._next_group, "counters": dict(self.counters),
+                    "buffer": list(self._buffer),
+                    "reissue": self._reissue + sorted(self._inflight.values())}
+        return self.submit(snap()).result()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: groups started before this (a pool opened by the scheme) are cancelled; the
+        checkpoint's running groups run again with the same ids (hence tasks) before new ones."""
+        async def load() -> None:
+            tasks = list(self._inflight)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._next_group, self._reissue = state["next_group"], list(state["reissue"])
+            self.counters = Counter(state["counters"])
+            self._buffer = list(state["buffer"])
+            if self._pool_cap:
+                self._refill()
+        self.submit(load()).result()
 
     def submit(self, coro: Awaitable) -> Any:
         """Schedule a coroutine on the generator loop; returns a concurrent Future."""
@@ -198,7 +227,7 @@ class Generator:
                 raise RuntimeError(f"could not complete {num_groups} groups after {attempts} "
                                    f"attempts; drops so far: {dict(self.counters)}. The agent "
                                    "fails too often: see the agent_error events in the log")
-            groups = await asyncio.gather(*(self.run_group(next(self._group_ids))
+            groups = await asyncio.gather(*(self.run_group(self.new_group_id())
                                             for _ in range(need)))
             out += [g for g in groups if g is not None]
         return out
@@ -233,12 +262,13 @@ class Generator:
 
     def _refill(self) -> None:
         while self._pool_open and len(self._inflight) + len(self._buffer) < self._pool_cap:
-            task = asyncio.ensure_future(self.run_group(next(self._group_ids)))
-            self._inflight.add(task)
+            gid = self.new_group_id()
+            task = asyncio.ensure_future(self.run_group(gid))
+            self._inflight[task] = gid
             task.add_done_callback(self._group_done)
 
     def _group_done(self, task: asyncio.Task) -> None:
-        self._inflight.discard(task)
+        self._inflight.pop(task, None)
         if task.cancelled():
             return
         if task.exception() is not None:          # an invariant violation: the run must stop

@@ -145,3 +145,19 @@ def molt_metric_sinks() -> dict[str, Callable]:
     `sink.log(step: int, metrics: dict[str, float])` (every numeric entry of the step's
     `metrics.jsonl` row, incl. `time` and `elapsed_s`) and `sink.close()`.
     """
+
+
+@hookspec
+def molt_state_dict() -> dict[str, Any] | None:
+    """State of a stateful plugin to keep in checkpoints (e.g. a filter's carried-over groups).
+
+    Return plain data (dicts, lists, numbers, strings, tensors; `torch.load(weights_only=True)`
+    must read it back), or None for nothing. Saved per plugin (by plugin name) with every
+    checkpoint and handed back to the same plugin's `molt_load_state_dict` on `--resume`.
+    """
+
+
+@hookspec
+def molt_load_state_dict(state: dict[str, Any]) -> None:
+    """Restore what this plugin's `molt_state_dict` returned, when a run resumes from a
+    checkpoint (before the first resumed step). Not called when the checkpoint holds none."""

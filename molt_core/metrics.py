@@ -14,7 +14,7 @@ import structlog
 import yaml
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-__all__ = ["MetricsSink", "configure_logging", "make_run_dir"]
+__all__ = ["MetricsSink", "RunDirError", "configure_logging", "make_run_dir"]
 
 
 class _Stderr:
@@ -112,3 +112,7 @@ class MetricsSink:
 
 def _plain(v: Any) -> Any:
     return v.item() if hasattr(v, "item") else v
+
+
+class RunDirError(OSError):
+    """The run directory cannot be written or read (disk full, permissions, a missing file)."""

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, OffloadPolicy,
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from molt_core import checkpoint as ckpt
 from molt_core import cluster, lora, moe, multimodal, weight_sync
 from molt_core.advantage import opt_in
 from molt_core.algos import aggregate, is_correction, loss_terms
@@ -358,6 +359,14 @@ class PolicyWorker:
         model.reshard()                 # the root keeps its params gathered after forward
         return out
 
+    def save_checkpoint(self, path: str) -> bool:
+        """This rank's shards of model, optimizer and critic, and its RNG (`checkpoint`)."""
+        ckpt.save_rank(self, path)
+        return self.value_head is not None
+
+    def load_checkpoint(self, path: str, critic: bool) -> None:
+        ckpt.load_rank(self, path, critic)
+
     def _named_full_tensors(self, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Gathered parameters; with LoRA and `merge`, the merged HF weights (`lora.merged`)."""
         named = ((name, (p.full_tensor() if isinstance(p, DTensor) else p).detach())
@@ -541,6 +550,13 @@ class Policy:
         """Gathered parameters by HF name (LoRA: merged; `adapter`: the adapter weights only)."""
         return self._get([w.full_params.remote(adapter) for w in self.workers],
                          "full_params")[0]
+
+    def save_checkpoint(self, path: str) -> bool:
+        """Every rank writes its shards under `path` (DCP); True when a critic was saved."""
+        return self._get([w.save_checkpoint.remote(path) for w in self.workers], "checkpoint")[0]
+
+    def load_checkpoint(self, path: str, critic: bool) -> None:
+        self._get([w.load_checkpoint.remote(path, critic) for w in self.workers], "resume")
 
     def push_weights(self, engines: list, version: int) -> dict[str, Any]:
         return weight_sync.push(self.workers, engines, version,

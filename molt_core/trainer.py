@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from molt_core import cluster
 from molt_core.advantage import opt_in, training_batch
+from molt_core.checkpoint import Checkpointer
 from molt_core.config import Config
 from molt_core.eval import eval_due, evaluate
 from molt_core.generator import Generator, version_lag_metrics
@@ -28,9 +29,10 @@ class ForwardConsistencyError(RuntimeError):
 
 
 def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
-          progress: bool = True) -> list[dict[str, Any]]:
-    """Run `cfg.trainer.steps` steps; returns the per-step metrics (with `eval.every`, held-out
-    evaluation rows {"step": updates so far, "eval/...": ...} in between)."""
+          progress: bool = True, resume: Path | None = None) -> list[dict[str, Any]]:
+    """Run `cfg.trainer.steps` steps (from checkpoint `resume` on); returns the per-step metrics
+    (with `eval.every`, held-out evaluation rows {"step": updates so far, "eval/...": ...} in
+    between)."""
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     vocab_size = AutoConfig.from_pretrained(cfg.model.path).get_text_config().vocab_size
     estimator = plugins.get("estimator", cfg.algorithm.estimator)
@@ -41,11 +43,13 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
     with cluster.start(cfg, plugins) as (policy, engines):
         generator = Generator(agent, engines, cfg, tokenizer, vocab_size)
         scheme = plugins.get("rollout_scheme", cfg.rollout.scheme)(cfg, generator, policy, engines)
+        ckpt = Checkpointer(cfg, run_dir, policy, engines, generator, scheme, plugins)
+        start, version = ckpt.restore(resume)    # version: the weights being trained
         sink = MetricsSink(run_dir, cfg.trainer.steps, progress,
                            [plugins.get("metric_sink", s)(run_dir, cfg) for s in cfg.log.sinks])
         saved = TrajectoryWriter(run_dir, tokenizer, cfg.log.trajectories_every,
                                  cfg.log.trajectories_per_step, generator.task_of)
-        version, alg = 0, cfg.algorithm          # version: the weights being trained
+        alg = cfg.algorithm
         refill = getattr(scheme, "refill", generator.generate)   # for batch filters (DAPO)
 
         def held_out(step: int) -> None:    # its own row: the weights after `step` updates
@@ -54,7 +58,7 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                 sink.log(step, row)
                 history.append({"step": step, **row})
         try:
-            for step in range(cfg.trainer.steps):
+            for step in range(start, cfg.trainer.steps):
                 held_out(step)
                 t0 = time.perf_counter()
                 groups = scheme.next_batch(step)
@@ -91,6 +95,7 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                 plugins.hook.molt_on_step_end(step=step, metrics=metrics)
                 sink.log(step, metrics)
                 history.append(metrics)
+                ckpt.step_end(step, version)
             held_out(cfg.trainer.steps)
         finally:
             sink.close()

@@ -1,4 +1,6 @@
-"""Exports of a trained policy that are not part of the training path."""
+"""Exports of a trained policy that are not part of the training path, and `molt export
+CHECKPOINT OUT`: a Molt checkpoint (or a run dir: its latest) as a plain HF directory
+(safetensors, config, tokenizer, chat template, generation config; `molt_core.checkpoint`)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from typing import Any
 
 from molt_core import lora
 
-__all__ = ["export_lora"]
+__all__ = ["add_args", "export_lora", "main"]
 
 
 def export_lora(policy: Any, model_path: str, out_dir: str | Path) -> Path:
@@ -31,3 +33,14 @@ def export_lora(policy: Any, model_path: str, out_dir: str | Path) -> Path:
               metadata={"format": "pt"})
     lora.peft_config(asdict(policy.cfg.lora), str(model_path)).save_pretrained(out / "adapter")
     return out
+
+
+def add_args(p: Any) -> None:
+    p.add_argument("checkpoint", help="RUN_DIR/checkpoints/step_N, or a run dir (its latest)")
+    p.add_argument("out", help="output directory (replaced if it exists)")
+
+
+def main(args: Any) -> int:
+    from molt_core.checkpoint import export
+    print(export(args.checkpoint, args.out))
+    return 0

@@ -234,6 +234,13 @@ class HFEngine:
         if not self._paused:
             self._can_run.set()
 
+    async def rng_state(self) -> torch.Tensor:
+        """The sampling RNG (checkpointed, so a resumed sync run samples what it would have)."""
+        return self.generator.get_state()
+
+    async def set_rng_state(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
     async def get_version(self) -> int:
         return self._version
 

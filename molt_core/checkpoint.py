@@ -1,0 +1,346 @@
+"""Persistence: sharded checkpoints (DCP), lossless resume, plain HF export.
+
+A checkpoint is `RUN_DIR/checkpoints/step_NNNNNN/` (NNNNNN = optimizer steps done):
+  policy/          DCP, each trainer rank writes its own shards: model, AdamW (step, moments,
+                   LR), critic when there is one
+  rng_rank{r}.pt   torch/python/numpy RNG of trainer rank r
+  driver.pt        step, weight version, driver and engine RNG, the generator's task cursor and
+                   pool (finished groups; in-flight group ids, re-issued on resume with the same
+                   task ids), rollout-scheme and plugin state (`molt_state_dict`), metrics position
+  meta.json        step, version, model path and dtype (what `export` needs)
+It is written to a `.tmp-` sibling and renamed, so a directory named `step_*` is complete. The
+reference policy (KL) is not saved: it is `model.path`, which resume requires unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from molt_core.config import Config, ConfigError, to_dict
+from molt_core.metrics import RunDirError
+from molt_core.trajectory import ImageInput, Trajectory
+
+__all__ = ["SAFE_TO_CHANGE", "Checkpointer", "CheckpointError", "check_resume_config",
+           "export", "export_hf", "latest", "load_rank", "prepare_resume", "resolve",
+           "resume_recipe", "save_rank"]
+
+# Config keys a resumed run may change: length, save cadence, timeouts, logging, placement.
+SAFE_TO_CHANGE = ("trainer.steps", "trainer.save_every", "trainer.keep_last", "trainer.timeout_s",
+                  "trainer.weight_sync_timeout_s", "engine.timeout_s", "engine.max_restarts",
+                  "agent.timeout_s", "agent.max_failure_rate", "check.consistency_every",
+                  "ray.address", "ray.num_cpus", "name", "out_dir", "metrics.")
+
+
+class CheckpointError(RunDirError):
+    """A checkpoint cannot be written or read."""
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state(legacy=False)
+    np_state["state"]["key"] = np_state["state"]["key"].tolist()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np_state}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np_state = dict(state["numpy"])
+    np_state["state"] = {**np_state["state"],
+                         "key": np.array(np_state["state"]["key"], dtype=np.uint32)}
+    np.random.set_state(np_state)
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# -- trainer ranks (called inside each PolicyWorker; DCP is collective over the ranks) ----------
+def _stateful(worker: Any) -> torch.nn.Module:
+    mods = {"policy": worker.model}
+    if worker.value_head is not None:
+        mods["critic"] = worker.value_head
+    return torch.nn.ModuleDict(mods)
+
+
+def save_rank(worker: Any, path: str) -> None:
+    msd, osd = get_state_dict(_stateful(worker), worker.optim)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=Path(path) / "policy")
+    torch.save(rng_state(), Path(path) / f"rng_rank{worker.rank}.pt")
+
+
+def load_rank(worker: Any, path: str, critic: bool) -> None:
+    if critic:
+        worker._critic()                 # its param group must exist before AdamW state loads
+    mods = _stateful(worker)
+    msd, osd = get_state_dict(mods, worker.optim)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=Path(path) / "policy")
+    set_state_dict(mods, worker.optim, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    set_rng_state(torch.load(Path(path) / f"rng_rank{worker.rank}.pt", weights_only=True))
+
+
+# -- driver ------------------------------------------------------------------------------------
+def _step_dirs(run_dir: Path) -> list[Path]:
+    root = run_dir / "checkpoints"
+    dirs = [p for p in root.glob("step_*") if p.name[5:].isdigit()] if root.is_dir() else []
+    return sorted(dirs, key=lambda p: int(p.name[5:]))
+
+
+def latest(run_dir: Path) -> Path | None:
+    dirs = _step_dirs(Path(run_dir))
+    return dirs[-1] if dirs else None
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint dir, or a run dir (its latest checkpoint)."""
+    p = Path(path)
+    if (p / "driver.pt").is_file():
+        return p
+    found = latest(p) if p.is_dir() else None
+    if found is None:
+        raise CheckpointError(f"'{path}' is neither a checkpoint (no driver.pt) nor a run "
+                              "directory with one under checkpoints/ (runs save every "
+                              "trainer.save_every steps and at the end)")
+    return found
+
+
+def _traj_state(t: Trajectory) -> dict[str, Any]:
+    d = dict(vars(t))
+    d["images"] = [dict(vars(im)) for im in t.images]
+    return d
+
+
+def _traj_load(d: dict[str, Any]) -> Trajectory:
+    return Trajectory(**{**d, "images": [ImageInput(**im) for im in d["images"]]})
+
+
+def check_resume_config(saved: dict, cfg: Config) -> None:
+    """Raise ConfigError naming every changed key outside `SAFE_TO_CHANGE`."""
+    def flat(d: Any, pre: str = "") -> dict[str, Any]:
+        if not isinstance(d, dict) or (pre and not d):
+            return {pre.rstrip("."): d}
+        return {k: v for key, val in d.items() for k, v in flat(val, f"{pre}{key}.").items()}
+    old, new = flat({**saved.pop("plugins", {}), **saved}), flat(
+        {**to_dict(cfg.plugins), **{k: v for k, v in to_dict(cfg).items() if k != "plugins"}})
+    changed = sorted(k for k in old.keys() | new.keys()
+                     if old.get(k) != new.get(k) and not k.startswith(SAFE_TO_CHANGE))
+    if changed:
+        raise ConfigError(
+            "--resume: the config differs from the run's in " + ", ".join(
+                f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in changed)
+            + f". A resumed run may change only {', '.join(SAFE_TO_CHANGE)}; start a new run "
+            "(optionally from an export of this one) to change the rest")
+
+
+class Checkpointer:
+    """Saves every `trainer.save_every` steps and at the end; restores a run from a checkpoint."""
+
+    def __init__(self, cfg: Config, run_dir: Path | None, policy: Any, engines: list[Any],
+                 generator: Any, scheme: Any, plugins: Any) -> None:
+        self.cfg, self.run_dir, self.policy, self.engines = cfg, run_dir, policy, engines
+        self.generator, self.scheme, self.plugins = generator, scheme, plugins
+        self.version = 0
+
+    def restore(self, path: Path | None) -> tuple[int, int]:
+        """Load `path` (a checkpoint dir) if given; returns (first step to run, weight version)."""
+        if path is None:
+            return 0, 0
+        path = resolve(path)
+        state = torch.load(path / "driver.pt", weights_only=True)
+        self.policy.load_checkpoint(str(path), state["critic"])
+        self.version = state["version"]
+        if self.version:
+            self.policy.push_weights(self.engines, self.version)
+        for e, rng in zip(self.engines, state["engine_rng"]):
+            if rng is not None and hasattr(e, "set_rng_state"):
+                ray.get(e.set_rng_state.remote(rng), timeout=self.cfg.engine.timeout_s)
+        gen = state["generator"]
+        gen["buffer"] = [[_traj_load(t) for t in g] for g in gen["buffer"]]
+        self.generator.load_state_dict(gen)
+        if hasattr(self.scheme, "version"):
+            self.scheme.version = self.version
+        saved = state["plugins"]
+        for impl in self.plugins.hook.molt_load_state_dict.get_hookimpls():
+            if impl.plugin_name in saved:
+                impl.function(state=saved[impl.plugin_name])
+        metrics = self.run_dir / "metrics.jsonl" if self.run_dir else None
+        if metrics is not None and metrics.exists():   # rows past the checkpoint are redone
+            with metrics.open("r+b") as f:
+                f.truncate(state["metrics_bytes"])
+        set_rng_state(state["rng"])
+        return state["step"], self.version
+
+    def step_end(self, step: int, version: int) -> None:
+        """After step `step` was logged: save when due (every `save_every`, and the last step)."""
+        self.version = version
+        every, last = self.cfg.trainer.save_every, step + 1 == self.cfg.trainer.steps
+        if self.run_dir is None or not (last or (every and (step + 1) % every == 0)):
+            return
+        path = self.save(step + 1)
+        if last:
+            export(path, self.run_dir / "final")
+
+    def save(self, done: int) -> Path:
+        root = self.run_dir / "checkpoints"
+        final, tmp = root / f"step_{done:06d}", root / f".tmp-step_{done:06d}"
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            critic = self.policy.save_checkpoint(str(tmp))
+            metrics = self.run_dir / "metrics.jsonl"
+            gen = self.generator.state_dict()
+            gen["buffer"] = [[_traj_state(t) for t in g] for g in gen["buffer"]]
+            plugin_state = {impl.plugin_name: impl.function()
+                            for impl in self.plugins.hook.molt_state_dict.get_hookimpls()}
+            timeout = self.cfg.engine.timeout_s
+            engine_rng = [ray.get(e.rng_state.remote(), timeout=timeout)
+                          if hasattr(e, "rng_state") else None for e in self.engines]
+            torch.save({"step": done, "version": self.version, "critic": critic,
+                        "rng": rng_state(), "engine_rng": engine_rng, "generator": gen,
+                        "plugins": {k: v for k, v in plugin_state.items() if v is not None},
+                        "metrics_bytes": metrics.stat().st_size if metrics.exists() else 0},
+                       tmp / "driver.pt")
+            (tmp / "meta.json").write_text(json.dumps(
+                {"step": done, "version": self.version, "model_path": self.cfg.model.path,
+                 "dtype": self.cfg.model.dtype, "config": to_dict(self.cfg)}, indent=1,
+                default=str))
+            if final.exists():                 # the same step saved again (a rerun of it)
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            prev = latest(self.run_dir)
+            raise CheckpointError(
+                f"could not write checkpoint {final}: {e}. Free disk space or make "
+                f"{self.run_dir} writable; the last complete checkpoint is "
+                f"{prev or '(none)'}, resume from it with `molt run --resume {self.run_dir}`"
+            ) from e
+        for old in _step_dirs(self.run_dir)[:-max(self.cfg.trainer.keep_last, 1)]:
+            shutil.rmtree(old, ignore_errors=True)
+        for stale in root.glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        return final
+
+
+# -- export ------------------------------------------------------------------------------------
+def _policy_tensors(policy_dir: Path) -> dict[str, torch.Tensor]:
+    """The full (unsharded) policy weights of a DCP checkpoint, by HF name, read in one process."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    reader = dcp.FileSystemReader(str(policy_dir))
+    keys = [k for k in reader.read_metadata().state_dict_metadata
+            if k.startswith("model.policy.")]
+    with warnings.catch_warnings():      # "no process group: loading in one process" is the point
+        warnings.simplefilter("ignore", UserWarning)
+        loaded = _load_state_dict_from_keys(set(keys), checkpoint_id=str(policy_dir))
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(d: Any, pre: str) -> None:
+        for k, v in d.items():
+            walk(v, f"{pre}{k}.") if isinstance(v, dict) else flat.__setitem__(f"{pre}{k}", v)
+    walk(loaded, "")
+    return {k.removeprefix("model.policy."): v for k, v in flat.items()}
+
+
+def export(checkpoint: str | Path, out: str | Path) -> Path:
+    """`molt export CHECKPOINT OUT`: a checkpoint (or a run dir: its latest) as an HF directory."""
+    ckpt = resolve(checkpoint)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    if not (Path(meta["model_path"]) / "config.json").is_file():
+        raise CheckpointError(f"the run's model.path {meta['model_path']} (config, tokenizer) is "
+                              "gone; export needs it next to the checkpoint's weights")
+    state = _policy_tensors(ckpt / "policy")
+    lora_cfg = meta["config"]["trainer"].get("lora") or {}
+    if lora_cfg.get("rank"):                  # adapters merged: W + alpha/rank * B @ A
+        from molt_core.lora import merged
+        state = dict(merged(iter(state.items()), lora_cfg["alpha"] / lora_cfg["rank"]))
+    return export_hf(state, meta["model_path"], out, meta["dtype"])
+
+
+def export_hf(state_dict: dict[str, torch.Tensor], model_dir: str | Path, out: str | Path,
+              dtype: str | None = None) -> Path:
+    """Write `state_dict` ({HF name: tensor}, the trained weights of the model in `model_dir`) as
+    a plain HF directory at `out`: safetensors + config from the model class, plus every
+    non-weight file of `model_dir` (tokenizer, chat template, generation and processor configs).
+    Floating tensors are cast to `dtype` (default: as stored); written atomically."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from molt_core.multimodal import is_vl
+
+    model_dir, out = Path(model_dir), Path(out)
+    config = AutoConfig.from_pretrained(model_dir)
+    auto = AutoModelForImageTextToText if is_vl(config) else AutoModelForCausalLM
+    if dtype is not None:
+        state_dict = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v
+                      for k, v in state_dict.items()}
+    with torch.device("meta"):
+        model = auto.from_config(config, dtype=getattr(torch, dtype or "float32"))
+    unexpected = model.load_state_dict(state_dict, strict=False, assign=True).unexpected_keys
+    model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint weights do not fit {model_dir}: missing "
+                              f"{missing[:5]}, unexpected {unexpected[:5]}")
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    weights = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+    for f in model_dir.iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.endswith(weights):
+            shutil.copy2(f, tmp / f.name)
+    if out.exists():
+        shutil.rmtree(out)
+    os.rename(tmp, out)
+    return out
+
+
+def _run_config(run_dir: str | Path) -> dict:
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise CheckpointError(f"--resume {run_dir}: not a run directory (no config.yaml)")
+    return yaml.safe_load(path.read_text())
+
+
+def resume_recipe(run_dir: str | Path, recipe: str | None, overrides: list[str]
+                  ) -> tuple[str, list[str]]:
+    """`molt run --resume RUN_DIR [RECIPE] [k=v ...]`: the recipe defaults to the run's config
+    (plugin sections back at top level, as a recipe has them)."""
+    if recipe is not None and "=" in recipe and not Path(recipe).is_file():
+        recipe, overrides = None, [recipe, *overrides]
+    if recipe is None:
+        data = _run_config(run_dir)
+        data.update(data.pop("plugins", None) or {})
+        fd, recipe = tempfile.mkstemp(prefix="molt-resume-", suffix=".yaml")
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(data, f, sort_keys=False)
+    return recipe, overrides
+
+
+def prepare_resume(run_dir: str | Path, checkpoint: str | None, cfg: Config, argv: list[str]
+                   ) -> tuple[Path, Path]:
+    """Check the config against the run's, pick the checkpoint, note the resume in the run dir."""
+    run_dir = Path(run_dir)
+    check_resume_config(_run_config(run_dir), cfg)
+    ckpt = resolve(checkpoint or run_dir)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    meta_path = run_dir / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    meta.setdefault("resumed", []).append({"argv": argv, "checkpoint": str(ckpt)})
+    meta_path.write_text(json.dumps(meta, indent=2))
+    return run_dir, ckpt
