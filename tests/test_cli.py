@@ -48,9 +48,11 @@ def test_options_and_overrides_in_any_order(argv):
 
 def test_usage_errors_print_the_commands_usage(capsys):
     with pytest.raises(SystemExit) as e:
-        parse(["run"])
+        parse(["run", "--bogus"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("usage: molt run") and "recipe" in err
+    assert main(["run"]) == 2        # the recipe is optional only with --resume
+    assert "molt run needs a recipe (or --resume RUN_DIR)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse(["tiny-model", "d", "--arch", "llama"])
     assert capsys.readouterr().err.startswith("usage: molt tiny-model")
