@@ -13,6 +13,7 @@ place, so the engines never drain between training steps (the async and partial 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
 import threading
 import time
