@@ -800,6 +800,10 @@ def test_missing_chat_template_is_one_clear_error(tiny_model_dir, tmp_path, caps
     assert main(["validate", str(recipe), f"model.path={model}"]) == 2
     assert "no chat template" in capsys.readouterr().err
     assert main(["validate", str(recipe), f"model.path={tiny_model_dir}"]) == 0
+    gym = Path(__file__).parents[1] / "recipes/cpu/guess_number.yaml"
+    assert main(["validate", str(gym), f"model.path={model}"]) == 2
+    assert "no chat template" in capsys.readouterr().err
+    assert main(["validate", str(gym), f"model.path={model}", "agent.args.chat_template=false"]) == 0
 
 
 def test_tool_charset_tiny_model_serves_a_tool_agent(tmp_path):

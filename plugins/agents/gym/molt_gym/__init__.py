@@ -9,9 +9,11 @@ policies): each becomes its run of placeholder tokens and rides with the traject
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from molt_core import hookimpl, multimodal
+from molt_core.config import ConfigError
 from molt_core.generator import RolloutContext
 from molt_core.trajectory import ImageInput, Trajectory
 from molt_gym.envs import (Addition, Arithmetic, Colours, Env, GuessNumber, MathProblems,
@@ -118,6 +120,15 @@ def molt_configure(cfg: Any, plugins: Any) -> None:
     if cfg.agent.name == "gym":     # an unknown env or bad env_args: found before anything starts
         a = cfg.agent.args
         plugins.check_args("agent.args.env_args", "env", a["env"], a.get("env_args") or {})
+        if a.get("chat_template", True) and Path(cfg.model.path).is_dir():
+            from transformers import AutoTokenizer
+
+            from molt_core.chat_server import require_chat_template
+            try:
+                require_chat_template(AutoTokenizer.from_pretrained(cfg.model.path))
+            except ValueError as e:
+                raise ConfigError(f"agent 'gym' (model.path): {e}; or set "
+                                  "agent.args.chat_template=false for plain-text turns") from None
 
 
 @hookimpl
