@@ -235,7 +235,8 @@ def code_reward(response: str, answer: str, *, timeout_s: float = 5.0, memory_mb
                    "RLIMIT_FSIZE": max_output_kb * 1024, "RLIMIT_CORE": 0}
         if uid is not None:
             rlimits["RLIMIT_NPROC"] = max_processes
-        hide = _hidden_homes() if "mount_ns" in layers else []
+        hide = [h for h in _hidden_homes() if not str(d).startswith(h + "/")] \
+            if "mount_ns" in layers else []
         keep = next((sys.base_prefix for h in hide if sys.base_prefix.startswith(h + "/")), None)
         results_r, results_w = os.pipe()
         nonce_r, nonce_w = os.pipe()
@@ -253,8 +254,12 @@ def code_reward(response: str, answer: str, *, timeout_s: float = 5.0, memory_mb
                     *argv]
         elif "net_ns" in layers:
             argv = ["unshare", *([] if os.geteuid() == 0 else ["-r"]), "-n", *argv]
-        cgroups = (_Cgroups(d.name, max_processes, memory_mb * 2**20) if "cgroup" in layers
-                   else None)
+        cgroups = None
+        if "cgroup" in layers:
+            try:
+                cgroups = _Cgroups(d.name, max_processes, memory_mb * 2**20)
+            except OSError:          # e.g. a controller gone read-only: run without, and say so
+                layers.discard("cgroup")
         launch = {"cgroups": [str(c) for c in cgroups.dirs] if cgroups else [], "argv": argv}
         t0 = time.perf_counter()
         try:
