@@ -23,7 +23,8 @@ PLOTS: dict[str, tuple[str, str, list[str]]] = {
                   ["rollout/version_lag_mean", "rollout/version_lag_max"]),
     "response_length": ("Response length", "trainable tokens",
                         ["response/len_mean", "response/truncated"]),
-    "step_time": ("Step time", "seconds", ["time/generate_s", "train/fwd_bwd_s", "train/optim_s",
+    "step_time": ("Step time", "seconds", ["time/generate_s", "time/engine_busy_s",
+                                           "train/fwd_bwd_s", "train/optim_s",
                                            "time/weight_sync_s", "time/step_s"]),
     "tokens_per_s": ("Throughput", "trainable tokens / s", ["tokens_per_s"]),
 }
