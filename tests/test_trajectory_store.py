@@ -6,7 +6,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import openai
 import pytest
 import torch
 import yaml
@@ -34,8 +33,13 @@ THINK = """\
 """
 
 
+# A chat agent plugin, as a module (chat agent names are checked when the config loads).
+TWO_TURNS = """
+from molt_core import hookimpl
+
+
 class TwoTurns:
-    async def run(self, ctx) -> list[float]:
+    async def run(self, ctx):
         client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
         messages = [{"role": "user", "content": "first"}]
         r = await client.chat.completions.create(model=ctx.model, messages=messages)
@@ -44,6 +48,12 @@ class TwoTurns:
         r = await client.chat.completions.create(model=ctx.model, messages=messages)
         await client.close()
         return [0.0, float(len(r.choices[0].message.content or "") % 3)]
+
+
+@hookimpl
+def molt_chat_agents():
+    return {"two_turns": TwoTurns}
+"""
 
 
 class Recorder:
@@ -57,7 +67,8 @@ class Recorder:
         self.steps.append([t for g in groups for t in g])
 
 
-def run(recipe: str, model_dir: Path, tmp_path: Path, *overrides: str):
+def run(recipe: str, model_dir: Path, tmp_path: Path, *overrides: str,
+        plugins: tuple[str, ...] = ()):
     data = yaml.safe_load(open(ROOT / recipe))
     data["model"]["path"] = str(model_dir)
     path = tmp_path / "recipe.yaml"
@@ -65,9 +76,8 @@ def run(recipe: str, model_dir: Path, tmp_path: Path, *overrides: str):
     rec = Recorder()
     cfg, plugins = load(str(path), ["trainer.steps=3", "rollout.groups_per_step=2",
                                     "rollout.group_size=3", "check.consistency_every=1",
-                                    *overrides])
+                                    *overrides], list(plugins))
     plugins.pm.register(rec, name="recorder")
-    plugins.registry["chat_agent"]["two_turns"] = TwoTurns
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     train(cfg, plugins, run_dir, progress=False)
@@ -113,14 +123,18 @@ def test_multi_turn_gym_run_saves_a_sample_of_what_was_trained(ray_local, tiny_c
     assert all(r["task"] >= 0 for r in rows)
 
 
-def test_multi_segment_chat_run_saves_what_was_trained(ray_local, tiny_model_dir, tmp_path):
+def test_multi_segment_chat_run_saves_what_was_trained(ray_local, tiny_model_dir, tmp_path,
+                                                        monkeypatch):
+    (tmp_path / "molt_test_two_turns.py").write_text(TWO_TURNS)
+    monkeypatch.syspath_prepend(str(tmp_path))
     model = tmp_path / "think"
     shutil.copytree(tiny_model_dir, model)
     tok = AutoTokenizer.from_pretrained(model)
     tok.chat_template = THINK
     tok.save_pretrained(model)
     steps, run_dir, tok = run("recipes/cpu/chat_calculator.yaml", model, tmp_path,
-                              "agent.args={agent: two_turns}", "sampling.max_new_tokens=4")
+                              "agent.args={agent: two_turns}", "sampling.max_new_tokens=4",
+                              plugins=("molt_test_two_turns",))
     rows = assert_same(steps, run_dir, tok)
     assert all(len(r["segments"]) == 2 and len(r["turn_rewards"]) == 2 for r in rows)
     assert "turn_spans" in rows[0]["info"]
