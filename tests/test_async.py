@@ -139,3 +139,4 @@ def test_stale_tokens_masked_not_dropped(tiny_model_dir):
     assert counters["rollout/masked/stale_tokens"] == 1
     m = version_lag_metrics(g, 5)
     assert m["rollout/version_lag_max"] == 1 and m["rollout/version_lag/1"] == pytest.approx(0.25)
+    assert m["rollout/multi_version"] == 0.5      # [4, 5] spans two versions, [5, 5] one

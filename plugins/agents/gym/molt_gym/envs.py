@@ -74,28 +74,25 @@ class Addition(Env):
 
 
 class Spell(Env):
-    """A multi-token answer: "c=" -> "defg" for `task` count (the `length` letters after the
-    prompt's), "cab=" -> "bac" for reverse, "cab=" -> "dbc" for shift (each letter's next).
+    """A multi-token answer: "bdca=" -> "acdb" for `task` reverse, "bdca=" -> "cedb" for shift
+    (each letter's next); the source is `length` letters drawn from `letters`.
 
     Reward: the mean over the `length` answer positions of 1 for the right letter, 0.1 for
     another letter (format credit), else 0, so every answer token moves it; characters past
     `length` are not read (`sampling.max_new_tokens` bounds the answer).
     """
 
-    TASKS = {"count": lambda s, n: "".join(chr(ord(s[-1]) + i) for i in range(1, n + 1)),
-             "reverse": lambda s, n: s[::-1],
-             "shift": lambda s, n: "".join(chr(ord(c) + 1) for c in s)}
+    TASKS = {"reverse": lambda s: s[::-1], "shift": lambda s: "".join(chr(ord(c) + 1) for c in s)}
 
-    def __init__(self, task: str = "count", letters: str = "abcdefgh", length: int = 4) -> None:
+    def __init__(self, task: str = "reverse", letters: str = "abcdefgh", length: int = 4) -> None:
         if task not in self.TASKS:
             raise ValueError(f"spell task '{task}' unknown; valid: {', '.join(self.TASKS)}")
         self.task, self.letters, self.length = task, letters, length
 
     async def reset(self, seed: int) -> Observation:
         rng = random.Random(seed)
-        n = 1 if self.task == "count" else self.length
-        self.source = "".join(rng.choice(self.letters) for _ in range(n))
-        self.target = self.TASKS[self.task](self.source, self.length)
+        self.source = "".join(rng.choice(self.letters) for _ in range(self.length))
+        self.target = self.TASKS[self.task](self.source)
         return f"{self.source}="
 
     async def step(self, action: str) -> tuple[None, float, bool, dict]:

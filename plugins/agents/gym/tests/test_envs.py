@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from molt_gym import Addition, GuessNumber, NextLetter
 
 
@@ -64,3 +66,20 @@ def test_math_problems_rows_and_reward(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"question": "x"}\n')
     with pytest.raises(ValueError, match="lacks them"):
         MathProblems(str(tmp_path / "bad.jsonl"))
+
+
+def test_spell_reward_counts_every_answer_letter():
+    from molt_gym import Spell
+    env = Spell("reverse", letters="abcdefgh", length=4)
+    assert run(env.reset(3)) == f"{env.source}="
+    target = env.source[::-1]
+    assert run(env.step(target))[1] == 1.0
+    for i in range(4):      # one wrong letter (or a non-letter) at any position costs reward
+        wrong = target[:i] + ("z" if target[i] != "z" else "y") + target[i + 1:]
+        assert run(env.step(wrong))[1] == pytest.approx((3 + 0.1) / 4)
+        assert run(env.step(target[:i] + "7" + target[i + 1:]))[1] == pytest.approx(3 / 4)
+    assert run(env.step(target[:2]))[1] == 0.5                  # a short answer loses the rest
+    assert run(env.step(target + "xyz"))[1] == 1.0              # past `length` is not read
+    shift = Spell("shift", length=4)
+    run(shift.reset(3))
+    assert shift.target == "".join(chr(ord(c) + 1) for c in shift.source)
