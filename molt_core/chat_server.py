@@ -165,12 +165,28 @@ class ChatSession:
         prev = self._messages
         if self._last is not None and messages == prev and tools == self._tools:
             return _Prep(rendered, messages, tools, "resample", [], [])
-        if (prev is not None and tools == self._tools and len(messages) > len(prev)
-                and messages[:len(prev)] == prev and rendered.startswith(self._covered)
-                and len(rendered) > len(self._covered)):
-            ids, images = self._encode(rendered[len(self._covered):], messages[len(prev):])
+        extend = (prev is not None and tools == self._tools and len(messages) > len(prev)
+                  and messages[:len(prev)] == prev and rendered.startswith(self._covered)
+                  and len(rendered) > len(self._covered))
+        text = rendered[len(self._covered):] if extend else rendered
+        if len(text) > self.max_context:
+            # Every token spells at most `longest` characters: a text this long cannot fit, and
+            # tokenizing megabytes only to say so would take seconds.
+            longest = max(map(len, self.tokenizer.get_vocab()))
+            if len(text) > self.max_context * longest:
+                raise RequestError(400, f"the prompt is at least {len(text) // longest} tokens "
+                                        f"but the model's context is {self.max_context} tokens "
+                                        "(max_position_embeddings): shorten the conversation",
+                                   "context_length_exceeded")
+        if extend:
+            ids, images = self._encode(text, messages[len(prev):])
             return _Prep(rendered, messages, tools, "extend", ids, images)
         return _Prep(rendered, messages, tools, "segment", *self._encode(rendered, messages))
+
+    def overflowed(self) -> None:
+        self.trajectory.truncated = True
+        self.trajectory.info["context_overflow"] = self.trajectory.info.get("context_overflow",
+                                                                            0) + 1
 
     def _rollback(self) -> None:
         """Drop the last reply's tokens (the prompt before it stays)."""
@@ -213,8 +229,7 @@ class ChatSession:
         prompt = traj.token_ids[seg_start:] + prep.ids
         room = self.max_context - len(prompt)
         if room < 1:
-            traj.truncated = True
-            traj.info["context_overflow"] = traj.info.get("context_overflow", 0) + 1
+            self.overflowed()
             raise RequestError(400, f"the prompt is {len(prompt)} tokens but the model's context "
                                     f"is {self.max_context} tokens (max_position_embeddings), "
                                     "which must leave room for a reply: shorten the conversation",
@@ -253,6 +268,19 @@ def _max_tokens(body: dict, api: str) -> int | None:
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise RequestError(400, f"'{keys[-1]}' must be a positive integer, got {n!r}")
     return n
+
+
+def _decode(api: str, raw: bytes) -> tuple[dict, str]:
+    """The body, and its cache key (`stream` aside)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise RequestError(400, "the request body is not JSON (or is nested too deeply)") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    api_.check_depth(body)
+    return body, json.dumps([api, {k: v for k, v in body.items()
+                                   if k not in ("stream", "stream_options")}], sort_keys=True)
 
 
 async def _read_body(request: Any, limit: int) -> bytes:
@@ -364,20 +392,11 @@ class ChatServer:
         s = self._session(sid, request.headers)
         raw = await _read_body(request, s.max_body_bytes)
         big = len(raw) > _BIG
-        try:
-            body = await asyncio.to_thread(json.loads, raw) if big else json.loads(raw)
-        except (ValueError, RecursionError):
-            raise RequestError(400, "the request body is not JSON (or is nested too deeply)") \
-                from None
-        if not isinstance(body, dict):
-            raise RequestError(400, "the request body must be a JSON object")
-        api_.check_depth(body)
+        body, key = await asyncio.to_thread(_decode, api, raw) if big else _decode(api, raw)
         stream = bool(body.get("stream"))      # the reply is generated whole either way
         if body.get("n", 1) != 1:
             raise RequestError(400, "only n=1 is supported: run one request per sample")
         api_.check_sampling(body, s.sampling)
-        key = json.dumps([api, {k: v for k, v in body.items()
-                                if k not in ("stream", "stream_options")}], sort_keys=True)
         async with s._lock:
             s.requests += 1
             if key in s._cache:
@@ -389,8 +408,13 @@ class ChatServer:
             else:
                 messages, tools = api_.anthropic_messages(body, s._raw_args)
             stop = api_.stop_strings(body, "stop_sequences" if api == "anthropic" else "stop")
-            prep = (await asyncio.to_thread(s.prepare, messages, tools) if big
-                    else s.prepare(messages, tools))
+            try:
+                prep = (await asyncio.to_thread(s.prepare, messages, tools) if big
+                        else s.prepare(messages, tools))
+            except RequestError as e:
+                if e.code == "context_length_exceeded":
+                    s.overflowed()
+                raise
             reply = await s.turn(prep, _max_tokens(body, api), stop, key)
             content, calls, malformed = (parse_tool_calls(reply.text) if tools
                                          else (reply.text, [], False))

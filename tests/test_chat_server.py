@@ -759,16 +759,18 @@ def test_limits_and_malformed_bodies_are_clean_errors(tiny_model_dir, tok):
                 {"role": "user", "content": "x" * 700_000}])
         await client.close()
         codes["too_big"] = e.value.status_code, e.value.body
+        overflows = s.trajectory.info["context_overflow"]
         codes["still_serving"] = await asyncio.to_thread(
             post, url, s.api_key, {"messages": [{"role": "user", "content": "hi"}]})
         server.close_session(s)
         await server.close()
-        return codes, threads
+        return codes, threads, overflows
 
-    codes, threads = run(main())
+    codes, threads, overflows = run(main())
     msg = {k: (c, json.dumps(b)) for k, (c, b) in codes.items()}
     assert msg["too_big"][0] == 413 and "600000 bytes" in msg["too_big"][1]
     assert msg["big_ok"][0] == 400 and "context_length_exceeded" in msg["big_ok"][1]
+    assert "the prompt is at least" in msg["big_ok"][1] and overflows == 1
     assert threads[0] is not threading.main_thread(), "a big body is tokenized off the loop"
     assert msg["deep"][0] == 400 and "nested too deeply" in msg["deep"][1]
     assert msg["depth_100"][0] == 400 and "deeper than 64" in msg["depth_100"][1]
