@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import queue
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -118,6 +120,8 @@ class TrajectoryWriter:
             log.warning("trajectory writer behind: step not saved", step=step)
 
     def _run(self) -> None:
+        if sys.platform == "linux":    # a thread is a task there: only this one gets idle CPU
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while (item := self.queue.get()) is not None:
             step, trajs, lp = item
             try:

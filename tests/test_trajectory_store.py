@@ -151,3 +151,26 @@ def test_vl_run_saves_what_was_trained_with_images_by_reference(ray_local, tiny_
                                                                        list(want.grid_thw))
             pixels = load_file(run_dir / "trajectories/images" / f"{im['ref']}.safetensors")
             assert torch.equal(pixels["pixel_values"], want.pixel_values)
+
+
+def test_writer_thread_without_trainer_logprobs(tiny_chars_dir, tmp_path):
+    """The writer on its own (no Ray): a sample per step, no trainer log-probs recorded."""
+    from molt_core.trajectory import Completion, Trajectory
+    from molt_core.trajectory_store import TrajectoryWriter
+
+    tok = AutoTokenizer.from_pretrained(tiny_chars_dir)
+    writer = TrajectoryWriter(tmp_path, tok, every=1, per_step=1, task_of=lambda g: 10 + g)
+    for step in range(3):
+        trajs = []
+        for r in range(2):
+            t = Trajectory(step, r, reward=float(r))
+            t.add_prompt(tok("after a", add_special_tokens=False).input_ids)
+            t.add_completion(Completion([5], [-0.5], [step]))
+            trajs.append(t)
+        writer.write(step, trajs)
+    writer.close()
+    rows = read_trajectories(tmp_path)
+    assert [(r["step"], r["rollout_id"], r["task"]) for r in rows] == [(0, 0, 10), (1, 0, 11),
+                                                                       (2, 0, 12)]
+    assert all(r["trainer_logprobs"] == [] and r["versions"][-1] == r["step"] for r in rows)
+    assert rows[0]["segment_text"] == [tok.decode(rows[0]["token_ids"])]
