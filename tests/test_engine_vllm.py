@@ -199,7 +199,8 @@ def test_sync_reaches_every_parameter_and_matches_trainer(ray_local, engine, pol
     ray = ray_local
     _push(ray, engine, list(_perturbed(hf_model, 0.03, seed=5).items()), 9)
     states = [_state(ray, engine)]          # other weights: every parameter has to change
-    for version, transport in ((10, "broadcast"), (11, "ray"), (12, "shm")):
+    # shm twice: the second push reuses the mapped slots, its buckets in flight together
+    for version, transport in ((10, "broadcast"), (11, "ray"), (12, "shm"), (13, "shm")):
         stats = weight_sync.push(policy.workers, [engine], version, 50_000, 30.0, transport)
         assert stats["buckets"] > 3
         states.append(_state(ray, engine))

@@ -118,6 +118,21 @@ class MoltWorkerExtension:
         storage = torch.UntypedStorage.from_file(path, False, nbytes)   # private map: no copy
         return self._molt_load(unpack(torch.empty(0, dtype=torch.uint8).set_(storage), metas), t0)
 
+    def molt_load_shm(self, path: str, size: int,
+                      metas: list[tuple[str, str, list[int], int]]) -> dict[str, float]:
+        """`molt_load_bucket` from a `weight_sync.ShmChannel` slot: mapped once (its name goes
+        after the first push), the two latest slots stay mapped. The bucket is copied out: the
+        layerwise reload may hold its tensors until a layer is complete, and the slot is
+        refilled meanwhile."""
+        t0 = time.perf_counter()
+        maps = self.__dict__.setdefault("_molt_shm", {})
+        if path not in maps:
+            maps[path] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+            if len(maps) > 2:
+                del maps[next(iter(maps))]
+        end = max(off + nbytes(dt, shape) for _, dt, shape, off in metas)
+        return self._molt_load(unpack(maps[path][:end].clone(), metas), t0)
+
     def molt_worker_ip(self) -> str:
         import ray
         return ray.util.get_node_ip_address()
@@ -434,8 +449,9 @@ class VLLMEngine:
         """Shared-memory transport: every worker loads one bucket straight from trainer rank 0's
         `weight_sync.ShmChannel` file; the first bucket pauses decoding as above."""
         t0 = time.perf_counter()
-        await self._begin_update(version)
-        worker = (await self._rpc("molt_load_bucket", path, size, metas))[0]
+        async with self.__dict__.setdefault("_shm_order", asyncio.Lock()):   # buckets in flight
+            await self._begin_update(version)                                # arrive together
+            worker = (await self._rpc("molt_load_shm", path, size, metas))[0]
         self._stats["weight_read_s"] += worker["read_s"]
         self._stats["weight_load_s"] += worker["load_s"]
         self._stats["weight_bytes"] += sum(nbytes(dt, shape) for _, dt, shape, _ in metas)
