@@ -18,13 +18,16 @@ import json
 import os
 import random
 import shutil
+import signal
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
+import structlog
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
@@ -37,6 +40,8 @@ from molt_core.trajectory import ImageInput, Trajectory
 __all__ = ["SAFE_TO_CHANGE", "Checkpointer", "CheckpointError", "check_resume_config",
            "export", "export_hf", "latest", "load_rank", "prepare_resume", "resolve",
            "resume_recipe", "save_rank"]
+
+log = structlog.get_logger("molt.checkpoint")
 
 # Config keys a resumed run may change: length, save cadence, timeouts, logging, placement.
 SAFE_TO_CHANGE = ("trainer.steps", "trainer.save_every", "trainer.keep_last", "trainer.timeout_s",
@@ -156,6 +161,24 @@ class Checkpointer:
         self.cfg, self.run_dir, self.policy, self.engines = cfg, run_dir, policy, engines
         self.generator, self.scheme, self.plugins = generator, scheme, plugins
         self.version = 0
+        self.stop_signal: int | None = None
+        self._handlers: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        """First SIGINT/SIGTERM: finish the step, checkpoint, stop. Second: abandon the step."""
+        if self.stop_signal is not None:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: step abandoned")
+        self.stop_signal = signum
+        log.warning("stopping", signal=signal.Signals(signum).name,
+                    plan="finish this step, save a checkpoint, stop (again: abandon the step)")
+
+    def close(self) -> None:
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
+        self._handlers = {}
 
     def restore(self, path: Path | None) -> tuple[int, int]:
         """Load `path` (a checkpoint dir) if given; returns (first step to run, weight version)."""
@@ -186,15 +209,21 @@ class Checkpointer:
         set_rng_state(state["rng"])
         return state["step"], self.version
 
-    def step_end(self, step: int, version: int) -> None:
-        """After step `step` was logged: save when due (every `save_every`, and the last step)."""
+    def step_end(self, step: int, version: int) -> bool:
+        """After step `step` was logged: save when due (every `save_every`, the last step, or on
+        SIGINT/SIGTERM); True when the run must stop (a signal)."""
         self.version = version
         every, last = self.cfg.trainer.save_every, step + 1 == self.cfg.trainer.steps
-        if self.run_dir is None or not (last or (every and (step + 1) % every == 0)):
-            return
+        due = last or self.stop_signal is not None or (every and (step + 1) % every == 0)
+        if self.run_dir is None or not due:
+            return self.stop_signal is not None
         path = self.save(step + 1)
         if last:
             export(path, self.run_dir / "final")
+        if self.stop_signal is not None:
+            log.warning("stopped", step=step, checkpoint=str(path),
+                        resume=f"molt run --resume {self.run_dir}")
+        return self.stop_signal is not None
 
     def save(self, done: int) -> Path:
         root = self.run_dir / "checkpoints"

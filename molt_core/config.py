@@ -165,6 +165,9 @@ class AgentConfig:
     name: str = "gym"                    # agent type (molt_agents): gym | chat
     args: dict = field(default_factory=dict)   # the agent's keyword arguments
     timeout_s: float = 600.0             # one rollout
+    # Failed rollouts (agent errors, timeouts, non-finite rewards) are dropped alone; the run
+    # aborts, naming the commonest error, once more than this fraction of rollouts failed.
+    max_failure_rate: float = 0.5
 
 
 @dataclass
@@ -375,6 +378,7 @@ def validate(cfg: Config) -> None:
         (cfg.eval.every >= 0 and cfg.eval.prompts >= 1 and cfg.eval.k >= 0,
          "eval: every must be >= 0 (0: off), prompts >= 1, k >= 0 (0: greedy only)"),
         (r.groups_per_step >= 1, "rollout.groups_per_step must be >= 1"),
+        (0 <= cfg.agent.max_failure_rate <= 1, "agent.max_failure_rate must be in [0, 1]"),
         (r.group_size >= 1, "rollout.group_size must be >= 1"),
         (r.max_staleness is None or r.max_staleness >= 0, "rollout.max_staleness must be >= 0"),
         (s.temperature > 0, "sampling.temperature must be > 0 (use a small value for near-greedy)"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import sys
 import threading
 import time
@@ -26,9 +27,18 @@ import structlog
 from molt_core.config import Config
 from molt_core.trajectory import Completion, ImageInput, InvariantError, Trajectory
 
-__all__ = ["EngineClient", "Generator", "RolloutContext", "filter_stale", "version_lag_metrics"]
+__all__ = ["EngineClient", "FailureRateError", "Generator", "NonFiniteReward", "RolloutContext",
+           "filter_stale", "version_lag_metrics"]
 
 log = structlog.get_logger("molt.generator")
+
+
+class NonFiniteReward(ValueError):
+    """A rollout's reward is NaN, inf or not a number (the rollout is dropped, counted)."""
+
+
+class FailureRateError(RuntimeError):
+    """More rollouts failed than `agent.max_failure_rate` allows."""
 
 
 class EngineClient:
@@ -163,6 +173,7 @@ class Generator:
         self.client = EngineClient(engines, cfg.engine.timeout_s)
         self.sampling = {**vars(cfg.sampling)}
         self.counters: Counter[str] = Counter()
+        self._errors: Counter[str] = Counter()      # failed rollouts' messages
         self._next_group = 0                  # the task cursor: group ids are handed out in order
         self._reissue: list[int] = []         # resumed: in-flight groups to run again first
         self._vocab = vocab_size             # the model's, which may exceed len(tokenizer)
@@ -330,31 +341,56 @@ class Generator:
             raise
         for t in late:
             t.cancel()
-            self.counters["rollout/dropped/agent_timeout"] += 1
-            log.warning("agent_timeout", group=group_id, error=f"no result within "
-                        f"{self.cfg.agent.timeout_s}s (agent.timeout_s)")
+            self._failed("agent_timeout", group_id, -1, f"no result within "
+                         f"{self.cfg.agent.timeout_s}s (agent.timeout_s)")
         trajs = [t.result() for t in tasks if t not in late and t.result() is not None]
-        if len(trajs) < n:
+        if len(trajs) < min(n, 2):           # a group of one has no baseline to compare with
             self.counters["rollout/dropped/incomplete_group"] += 1
             return None
+        if len(trajs) < n:                   # failed rollouts are dropped alone
+            self.counters["rollout/smaller_groups"] += 1
         self.counters["rollout/finished_groups"] += 1
         return trajs
 
     async def run_one(self, group_id: int, rollout_id: int) -> Trajectory | None:
         ctx = RolloutContext(group_id, rollout_id, self.task_of(group_id), dict(self.sampling),
                              self._generate, self.tokenizer)
+        self.counters["rollout/attempted"] += 1
         try:
             traj = await self.agent.rollout(ctx)
-        except InvariantError:
+            rewards = [traj.reward, *(traj.turn_rewards or [])]
+            if not all(math.isfinite(float(r)) for r in rewards):
+                raise NonFiniteReward(f"{self._reward_source()} returned reward {traj.reward!r} "
+                                      f"(turn rewards {traj.turn_rewards}) for task {ctx.task}")
+        except (InvariantError, asyncio.CancelledError):
             raise
-        except Exception as e:  # an agent bug drops this rollout, counted; the run goes on
-            self.counters["rollout/dropped/agent_error"] += 1
-            log.warning("agent_error", group=group_id, rollout=rollout_id,
-                        error=f"{type(e).__name__}: {e}")
+        except BaseException as e:  # SystemExit/KeyboardInterrupt in an env too: never the loop
+            reason = "nonfinite_reward" if isinstance(e, NonFiniteReward) else "agent_error"
+            self._failed(reason, group_id, rollout_id, f"{type(e).__name__}: {e}")
             return None
         traj.group_id, traj.rollout_id = group_id, rollout_id
         traj.check(self._vocab)
         return traj
+
+    def _reward_source(self) -> str:
+        args = self.cfg.agent.args
+        inner = "".join(f" {k} '{args[k]}'" for k in ("env", "agent") if k in args)
+        return f"agent '{self.cfg.agent.name}'{inner}"
+
+    def _failed(self, reason: str, group_id: int, rollout_id: int, error: str) -> None:
+        """Count a dropped rollout; past `agent.max_failure_rate` the run stops, naming the
+        commonest error."""
+        self.counters[f"rollout/dropped/{reason}"] += 1
+        self.counters["rollout/failed"] += 1
+        self._errors[error[:300]] += 1
+        log.warning(reason, group=group_id, rollout=rollout_id, error=error)
+        failed, tried = self.counters["rollout/failed"], self.counters["rollout/attempted"]
+        if tried >= 2 * self.cfg.rollout.group_size and \
+                failed / tried > self.cfg.agent.max_failure_rate:
+            (common, times), = self._errors.most_common(1)
+            raise FailureRateError(
+                f"{failed} of {tried} rollouts failed (> agent.max_failure_rate="
+                f"{self.cfg.agent.max_failure_rate}); the commonest error ({times}x): {common}")
 
     async def _generate(self, prompt_ids: list[int], sampling: dict | None = None,
                         images: list[ImageInput] | None = None) -> Completion:

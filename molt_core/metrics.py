@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -85,8 +87,19 @@ class MetricsSink:
         row = {"step": step, "time": now, "elapsed_s": now - self.t0,
                **{k: _plain(v) for k, v in metrics.items()}}
         if self.file:
-            self.file.write(json.dumps(row) + "\n")
-            self.file.flush()
+            end = os.fstat(self.file.fileno()).st_size
+            try:
+                self.file.write(json.dumps(row) + "\n")
+                self.file.flush()
+            except OSError as e:           # disk full, quota: never leave a partial line
+                f, self.file, path = self.file, None, self.file.name
+                with contextlib.suppress(OSError):
+                    f.close()              # its flush fails again; the descriptor closes anyway
+                with contextlib.suppress(OSError):
+                    os.truncate(path, end)
+                raise RunDirError(f"cannot append step {step} to {path}: {e}. Free space or fix "
+                                  "the run directory, then `molt run --resume RUN_DIR` (from "
+                                  "its last checkpoint)") from e
         numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
         for sink in self.sinks:
             sink.log(step, numbers)

@@ -95,9 +95,11 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                 plugins.hook.molt_on_step_end(step=step, metrics=metrics)
                 sink.log(step, metrics)
                 history.append(metrics)
-                ckpt.step_end(step, version)
+                if ckpt.step_end(step, version):     # SIGINT/SIGTERM: saved; stop
+                    return history
             held_out(cfg.trainer.steps)
         finally:
+            ckpt.close()
             sink.close()
             saved.close()
             generator.close()

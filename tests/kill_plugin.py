@@ -1,5 +1,5 @@
 """Test plugin (`--plugin kill_plugin`, tests/ on PYTHONPATH): records the task ids each step
-trains and SIGKILLs its own driver at a chosen point, as `kill -9` would."""
+trains, SIGKILLs its own driver at a chosen point (as `kill -9` would), or fills the "disk"."""
 
 from __future__ import annotations
 
@@ -24,6 +24,13 @@ def molt_filter_batch(groups, step):
 def molt_on_step_end(step):
     if step == int(os.environ.get("MOLT_TEST_KILL_AFTER_STEP", -1)):
         os.kill(os.getpid(), signal.SIGKILL)
+    if step == int(os.environ.get("MOLT_TEST_DISK_FULL_AT_STEP", -1)):
+        # as a full disk would: files of the run can grow by 40 more bytes at most
+        import resource
+        import glob
+        (metrics,) = glob.glob(os.path.join(os.environ["MOLT_TEST_OUT_DIR"], "*/metrics.jsonl"))
+        size = os.path.getsize(metrics)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size + 40, resource.RLIM_INFINITY))
 
 
 @hookimpl

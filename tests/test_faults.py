@@ -1,0 +1,152 @@
+"""Faults a run survives or reports clearly (issue 12): failing rollouts dropped alone,
+BaseException and NaN rewards in envs, the failure-rate abort, SIGTERM, a full disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from molt_core import checkpoint
+from molt_core.cli import load
+from molt_core.generator import FailureRateError
+from molt_core.trainer import train
+
+TESTS = Path(__file__).parent
+
+
+def _recipe(tmp_path: Path, model: Path, **sections) -> str:
+    data = yaml.safe_load(open(TESTS.parent / "recipes/cpu/next_letter.yaml"))
+    data["model"]["path"] = str(model)
+    data["out_dir"] = str(tmp_path / "runs")
+    data["rollout"].update(groups_per_step=4, group_size=4)
+    for k, v in sections.items():
+        data.setdefault(k, {}).update(v)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _popen(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    ray_tmp = tempfile.mkdtemp(prefix="rayft", dir="/tmp")
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp, **(env or {}),
+           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen([sys.executable, "-m", "molt_core.cli", *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE), ray_tmp
+
+
+def _left_behind(ray_tmp: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if ray_tmp in line]
+
+
+def test_failing_rollouts_are_dropped_alone(ray_local, tiny_chars_dir, tmp_path, monkeypatch):
+    """SystemExit, KeyboardInterrupt, a NaN reward and 10 % RuntimeErrors inside the env: each
+    drops its rollout only (its group trains smaller), counted; the run finishes."""
+    monkeypatch.syspath_prepend(str(TESTS))
+    cfg, plugins = load(_recipe(tmp_path, tiny_chars_dir, agent={"args": {
+        "env": "flaky_letter", "chat_template": False}}), ["trainer.steps=3"], ["flaky_env"])
+    history = train(cfg, plugins, None, progress=False)
+    assert len(history) == 3
+    last = history[-1]
+    assert last["rollout/dropped/nonfinite_reward"] == 1
+    assert last["rollout/dropped/agent_error"] >= 2 + 4       # SystemExit, KeyboardInterrupt, 10 %
+    assert last["rollout/smaller_groups"] >= 1
+    assert last.get("rollout/dropped/incomplete_group", 0) == 0
+    # every rollout was either trained or counted as failed: no group was thrown away
+    assert sum(h["rollout/trajectories"] for h in history) + last["rollout/failed"] == 3 * 4 * 4
+
+
+def test_too_many_failures_abort_naming_the_commonest_error(ray_local, tiny_chars_dir, tmp_path,
+                                                           monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+    sys.modules.pop("flaky_env", None)           # its step counter starts again
+    cfg, plugins = load(_recipe(tmp_path, tiny_chars_dir, agent={"args": {
+        "env": "flaky_letter", "chat_template": False}}),
+        ["trainer.steps=3", "agent.max_failure_rate=0.05"], ["flaky_env"])
+    with pytest.raises(FailureRateError, match=r"rollouts failed \(> agent.max_failure_rate=0.05"
+                                               r"\); the commonest error \(\d+x\): "):
+        train(cfg, plugins, None, progress=False)
+
+
+def test_nonfinite_reward_names_its_source(tiny_chars_dir, tmp_path):
+    from molt_core.generator import Generator
+    from molt_core.trajectory import Trajectory
+
+    class NaNAgent:
+        async def rollout(self, ctx):
+            t = Trajectory()
+            t.add_prompt([1, 2])
+            t.reward = float("inf")
+            return t
+    cfg, _ = load(_recipe(tmp_path, tiny_chars_dir), [])
+    gen = Generator(NaNAgent(), [], cfg, None, 100)
+    try:
+        assert gen.submit(gen.run_one(0, 0)).result() is None
+    finally:
+        gen.close()
+    assert gen.counters["rollout/dropped/nonfinite_reward"] == 1
+    assert any("agent 'gym' env 'next_letter' returned reward inf" in e for e in gen._errors)
+
+
+def test_sigterm_saves_a_checkpoint_and_stops_everything(tiny_chars_dir, tmp_path):
+    recipe = _recipe(tmp_path, tiny_chars_dir)
+    proc, ray_tmp = _popen("run", recipe, "trainer.steps=500", "--no-progress")
+    deadline = time.monotonic() + 600     # a safety net for a hung run, not a speed check
+    metrics = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = list((tmp_path / "runs").glob("*/metrics.jsonl"))
+        if found and found[0].read_text().count("\n") >= 2:
+            metrics = found[0]
+            break
+        time.sleep(0.5)
+    assert metrics is not None, proc.communicate()[1][-3000:]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    rows = metrics.read_text().count("\n")
+    assert 2 <= rows < 500
+    run = metrics.parent
+    assert checkpoint.latest(run).name == f"step_{rows:06d}"
+    assert "stopped" in err and f"molt run --resume {run}" in err
+    time.sleep(2)
+    assert _left_behind(ray_tmp) == []
+
+
+def test_full_disk_is_a_clear_error_and_keeps_the_last_checkpoint(tiny_chars_dir, tmp_path):
+    recipe = _recipe(tmp_path, tiny_chars_dir)
+    out = tmp_path / "runs"
+    proc, ray_tmp = _popen("run", recipe, "trainer.steps=6", "trainer.save_every=1",
+                           "--plugin", "kill_plugin", "--no-progress",
+                           env={"MOLT_TEST_DISK_FULL_AT_STEP": "2",
+                                "MOLT_TEST_OUT_DIR": str(out)})
+    _, err = proc.communicate(timeout=900)
+    assert proc.returncode == 2, err[-3000:]
+    assert err.count("error: ") == 1 and "cannot append step 2 to" in err
+    (run,) = out.iterdir()
+    text = (run / "metrics.jsonl").read_text()
+    assert text.endswith("\n") and [json.loads(x)["step"] for x in text.splitlines()] == [0, 1]
+    assert checkpoint.latest(run).name == "step_000002"
+    assert (checkpoint.export(run, tmp_path / "export") / "model.safetensors").is_file()
+    time.sleep(2)
+    assert _left_behind(ray_tmp) == []
+
+
+def test_unwritable_checkpoint_dir_is_a_clear_error(tiny_chars_dir, tmp_path):
+    cfg, _ = load(_recipe(tmp_path, tiny_chars_dir), [])
+    (tmp_path / "checkpoints").write_text("a file where the directory should be")
+    ck = checkpoint.Checkpointer(cfg, tmp_path, None, [], None, None, None)
+    try:
+        with pytest.raises(checkpoint.CheckpointError, match="could not write checkpoint .* the "
+                                                             "last complete checkpoint is"):
+            ck.save(1)
+    finally:
+        ck.close()
