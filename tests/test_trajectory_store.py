@@ -35,6 +35,8 @@ THINK = """\
 
 # A chat agent plugin, as a module (chat agent names are checked when the config loads).
 TWO_TURNS = """
+import openai
+
 from molt_core import hookimpl
 
 
