@@ -86,6 +86,7 @@ $(VVENV)/.installed: $(VBIN)/python pyproject.toml $(addsuffix /pyproject.toml,$
 	$(VBIN)/pip install -q $(VLLM_PINS)
 	$(VBIN)/pip install -q $(TORCH) transformers==5.18.0 -e ".[test]"
 	$(VBIN)/pip install -q --no-deps $(addprefix -e ,$(PLUGINS))
+	$(VBIN)/pip install -q $(TORCH) transformers==5.18.0 "math-verify>=0.7"   # reward_math's dep
 	$(VBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VBIN)/python -c "import vllm, molt_core.engines.vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
@@ -93,7 +94,7 @@ $(VVENV)/.installed: $(VBIN)/python pyproject.toml $(addsuffix /pyproject.toml,$
 venv-vllm: $(VVENV)/.installed
 
 test-vllm: venv-vllm
-	$(VBIN)/python -m pytest -q tests/test_engine_vllm.py tests/test_moe_vllm.py tests/test_export_vllm.py
+	$(VBIN)/python -m pytest -q tests/test_engine_vllm.py tests/test_moe_vllm.py tests/test_export_vllm.py tests/test_smollm2_vllm.py
 
 # TRL for bench/vs_trl.py: its own venv (it pins its own stack), the CPU torch wheel first.
 TVENV := .venv-trl
