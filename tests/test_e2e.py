@@ -60,7 +60,7 @@ def test_engine_matches_trainer_after_weight_sync(ray_local, tiny_model_dir):
         assert policy.train(batch, ppo_clip_loss, {}, "token-mean", 1.0)["loss"] != before
         # a trainer at another temperature than the engine breaks invariant 3, loudly
         wrong = policy.train(batch, ppo_clip_loss, {}, "token-mean", 0.5)
-        cfg = load(None, [f"model.path={path}"])[0]
+        cfg = load(None, [f"model.path={path}", "agent.args.env=next_letter"])[0]
         with pytest.raises(ForwardConsistencyError, match="sampling parameters"):
             check_consistency(cfg, 0, wrong)
     finally:
