@@ -8,6 +8,8 @@ parallelism never change the objective.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["CORRECTIONS", "aggregate", "clipped_surrogate", "entropy_from_logits", "group_stats",
@@ -157,8 +159,9 @@ def loss_terms(logprobs: torch.Tensor, entropy: torch.Tensor, *,
 CORRECTIONS: dict[str, dict[str, float]] = {
     "none": {},
     "tis": {"cap": 2.0},                       # truncated IS: w -> min(w, cap)
-    "icepop": {"low": 0.5, "high": 2.0},       # token masking outside [low, high]
-    "mis": {"low": 0.5, "high": 2.0},          # sequence geometric-mean masking
+    "icepop": {"low": 0.5, "high": 2.0},       # w inside [low, high], else 0 (IcePop)
+    "mis": {"cap": 2.0},                       # sequence rho * 1[rho <= cap] (Liu et al.)
+    "geo_mask": {"low": 0.5, "high": 2.0},     # 1 if the sequence geometric mean is in the band
 }
 
 
@@ -167,12 +170,15 @@ def is_correction(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask:
     """Per-token weight [B, T] that corrects a loss computed against the proximal policy for
     sampling by the behavior policy (the engine, possibly stale weights or other kernels).
 
-    With w_t = exp(logprobs_t - behavior_logprobs_t) (`logprobs` are detached: the trainer's
-    pre-update log-probs, the proximal policy with one optimizer step per batch):
-      tis:    weight_t = min(w_t, cap)                                  (token-level truncated IS)
-      icepop: weight_t = 1[low <= w_t <= high]                          (token masking, IcePop)
-      mis:    weight_t = 1[low <= exp(mean_{s in seq} log w_s) <= high] (whole sequence masked)
-      none:   weight_t = 1
+    With w_t = exp(logprobs_t - behavior_logprobs_t) (`logprobs`: pi_prox, the trainer's
+    log-probs before the batch's first optimizer step; used detached):
+      tis:      weight_t = min(w_t, cap)                          (token-level truncated IS)
+      icepop:   weight_t = w_t * 1[low <= w_t <= high]            (IcePop, Ring-1T report)
+      mis:      weight_t = rho * 1[rho <= cap], rho = prod_s w_s  (sequence-level masked IS,
+                                                                   Liu et al.)
+      geo_mask: weight_t = 1[low <= exp(mean_s log w_s) <= high]  (sequence rejection on the
+                                                                   geometric mean; weight 1)
+      none:     weight_t = 1
     The weight is 0 outside `mask`. Metrics ([B, T], averaged over trainable tokens):
     `is_filtered_fraction` (tokens whose weight was zeroed), `is_truncated_fraction` (TIS tokens
     whose w exceeded the cap), `is_weight` (the weight applied).
@@ -194,8 +200,13 @@ def is_correction(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask:
         truncated = w > th["cap"]
         weight = w.clamp(max=th["cap"])
     elif mode == "icepop":
-        weight = ((w >= th["low"]) & (w <= th["high"])).to(w.dtype)
-    else:  # mis
+        weight = torch.where((w >= th["low"]) & (w <= th["high"]), w, zero)
+    elif mode == "mis":
+        log_rho = log_w.sum(-1, keepdim=True)                                # [B, 1]
+        # exp overflows only where rho > cap, and those sequences get 0 anyway
+        rho = log_rho.clamp(max=math.log(th["cap"])).exp()
+        weight = torch.where(log_rho <= math.log(th["cap"]), rho, 0.0).expand_as(w)
+    else:  # geo_mask
         n = m.sum(-1, keepdim=True).clamp(min=1)
         geo = (log_w.sum(-1, keepdim=True) / n).exp()                        # [B, 1]
         weight = ((geo >= th["low"]) & (geo <= th["high"])).to(w.dtype).expand_as(w)

@@ -99,9 +99,10 @@ class AutoModelWorker(PolicyWorker):
             expert_tp_replication_factor=get_expert_tp_replication_factor(parts, mesh))
         return float(_local(torch.as_tensor(norm)))
 
-    def _named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _named_full_tensors(self, merge: bool = True, master: bool = False
+                            ) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors under HF names (AutoModel's MoE layers stack experts differently)."""
-        for name, t in super()._named_full_tensors():
+        for name, t in super()._named_full_tensors(merge, master):
             if self._adapter is None:
                 yield name, t
             else:

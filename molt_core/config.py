@@ -99,6 +99,12 @@ class TrainerConfig:
     betas: list = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
     grad_clip: float = 1.0               # max total gradient norm
     micro_batch_size: int = 64           # sequences per forward/backward on one rank
+    # Optimizer steps per rollout batch = mini_batches * epochs (each epoch splits the batch's rows
+    # into mini_batches parts). More than one step: pi_prox (the log-probs before the first step)
+    # is computed once per batch and the loss's ratio/clip acts against it (decoupled PPO).
+    mini_batches: int = 1
+    epochs: int = 1
+    max_nonfinite_steps: int = 3         # steps in a row with a NaN/inf loss or grad norm: abort
     logprob_chunk: int = 1024            # trainable tokens per lm_head chunk
     timeout_s: float = 300.0             # collectives and trainer RPCs
     weight_sync_bucket_mb: float = 64.0  # tensors per weight-sync bucket
@@ -138,9 +144,10 @@ class AlgorithmConfig:
     loss: str = "ppo_clip"               # policy loss (molt_losses)
     loss_args: dict = field(default_factory=dict)  # its keyword arguments
     loss_agg: str = "token-mean"         # token-mean | seq-mean-token-sum | seq-mean-token-mean
-    # Off-policy correction against the engine's behavior log-probs: none | tis | icepop | mis
-    # (formulas: molt_core.algos.is_correction); thresholds in correction_args: tis {cap: 2.0},
-    # icepop {low: 0.5, high: 2.0}, mis {low: 0.5, high: 2.0} (on the sequence geometric mean).
+    # Off-policy correction against the engine's behavior log-probs: none | tis | icepop | mis |
+    # geo_mask (formulas: molt_core.algos.is_correction); thresholds in correction_args: tis
+    # {cap: 2.0}, icepop {low: 0.5, high: 2.0}, mis {cap: 2.0} (on the sequence ratio), geo_mask
+    # {low: 0.5, high: 2.0} (on the sequence geometric mean).
     correction: str = "none"
     correction_args: dict = field(default_factory=dict)  # thresholds (see correction)
     terms: LossTermsConfig = field(default_factory=LossTermsConfig)
@@ -377,6 +384,8 @@ def validate(cfg: Config) -> None:
          f"trainer.lora needs trainer.backend=fsdp2 (got {t.backend})"),
         (cfg.eval.every >= 0 and cfg.eval.prompts >= 1 and cfg.eval.k >= 0,
          "eval: every must be >= 0 (0: off), prompts >= 1, k >= 0 (0: greedy only)"),
+        (min(t.mini_batches, t.epochs, t.max_nonfinite_steps) >= 1,
+         "trainer.mini_batches, trainer.epochs and trainer.max_nonfinite_steps must be >= 1"),
         (r.groups_per_step >= 1, "rollout.groups_per_step must be >= 1"),
         (0 <= cfg.agent.max_failure_rate <= 1, "agent.max_failure_rate must be in [0, 1]"),
         (r.group_size >= 1, "rollout.group_size must be >= 1"),

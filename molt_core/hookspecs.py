@@ -118,7 +118,8 @@ def molt_filter_batch(groups: list[list[Trajectory]], step: int,
     `refill(n)` returns `n` more complete groups (blocking; the rollout scheme's `refill` when it
     has one, e.g. from the streaming pool), so a filter can keep the batch
     size (e.g. DAPO dynamic sampling). Return the new list of groups, or None to leave it
-    unchanged. Implementations are chained: each receives the previous one's result.
+    unchanged; an empty list skips the step's update (counted as `trainer/empty_batches`).
+    Implementations are chained: each receives the previous one's result.
     """
 
 

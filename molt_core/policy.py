@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard,
-                                    register_fsdp_forward_method)
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
+                                    OffloadPolicy, fully_shard, register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
@@ -120,6 +120,8 @@ class PolicyWorker:
         self.grad_scale = world_size
         model = self._build_model(model_path, _DTYPES[dtype])
         self.moe = moe.is_moe(model)
+        gate_params = {id(p) for g in moe.moe_gates(model) for p in g.parameters()}
+        self.fp32_names = {n for n, p in model.named_parameters() if id(p) in gate_params}
         # The root owns embed/norm/lm_head: gathered only inside a registered forward method.
         model.molt_token_logprobs = functools.partial(token_logprobs, model)
         register_fsdp_forward_method(model, "molt_token_logprobs")
@@ -133,20 +135,31 @@ class PolicyWorker:
 
     def _build_model(self, model_path: str, dtype: torch.dtype) -> torch.nn.Module:
         """The HF model, each decoder layer and the root `fully_shard` over all ranks
-        (`trainer.optimizer_offload`: params, grads and AdamW state live on the CPU)."""
+        (`trainer.optimizer_offload`: params, grads and AdamW state live on the CPU). Parameters
+        and AdamW stay fp32 (master weights); forward and backward run in `dtype` (FSDP2
+        mixed precision), routers in fp32."""
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        model = multimodal.load_model(model_path, dtype).to(self.device)
-        if self.cfg["lora"]["rank"]:
+        # fp32 masters; with LoRA only the adapters train (PEFT keeps them fp32)
+        lora_rank = self.cfg["lora"]["rank"]
+        model = multimodal.load_model(model_path, dtype if lora_rank else torch.float32)
+        model = model.to(self.device)
+        if lora_rank:
             model = lora.add_adapters(model, self.cfg["lora"])
         offload = (CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
                    if self.cfg["optimizer_offload"] else OffloadPolicy())
-        moe.keep_router_fp32(model)
-        for gate in moe.moe_gates(model):    # own group: fp32 among the layer's bf16 params
+
+        def shard(module: torch.nn.Module, cast_inputs: bool = True) -> None:
+            fully_shard(module, mesh=mesh, offload_policy=offload, mp_policy=MixedPrecisionPolicy(
+                param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=cast_inputs))
+
+        for gate in moe.moe_gates(model):    # own group, no cast: fp32 among bf16 compute
             gate.requires_grad_(self.cfg["moe_routing"] != "freeze_router")
             fully_shard(gate, mesh=mesh, offload_policy=offload)
         for layer in multimodal.decoder_layers(model):
-            fully_shard(layer, mesh=mesh, offload_policy=offload)
-        fully_shard(model, mesh=mesh, offload_policy=offload)
+            shard(layer)
+        # the root's forward method fills the `moe_out`/`extras` dicts it is given: a cast of
+        # its inputs would hand it copies
+        shard(model, cast_inputs=False)
         # A param without grad on one rank (unrouted expert, idle lm_head) must not shrink its
         # reduce-scatter: unequal collectives hang.
         model.set_reduce_scatter_unused_params(True)
@@ -200,12 +213,14 @@ class PolicyWorker:
                    version: int | None = None, terms: dict | None = None) -> dict[str, Any]:
         """One optimizer step on this rank's rows; returns mergeable sums, counts and maxima.
 
-        `correction` "none": the loss compares the trainer with the behavior log-probs directly.
-        Otherwise (one optimizer step per batch, so the pre-update log-probs are the proximal
-        policy) the loss gets `lp.detach()` as its old log-probs and its per-token value is
-        multiplied by the off-policy weight of `algos.is_correction` (TIS / IcePop / MIS).
+        pi_prox is `batch["prox_logprobs"]`, the log-probs before the rollout batch's first
+        optimizer step (`Policy.train`), or with one step per batch this forward's own, detached.
+        `correction` "none": the loss's ratio is pi_theta / pi_behavior (the engine's log-probs).
+        Otherwise (decoupled PPO) it is pi_theta / pi_prox, and the per-token value is multiplied
+        by the off-policy weight of `algos.is_correction(pi_prox, pi_behavior)`.
         `version`: the trainer's weight version; the engine-vs-trainer gap (`mismatch/max_abs`,
-        invariant 3) is measured on tokens sampled by it only (all tokens when None).
+        invariant 3, from pi_prox) is measured on tokens sampled by it only (all when None).
+        A non-finite loss or grad norm on any rank skips the step on all (`nonfinite`).
         `terms` (`algorithm.terms`): KL, entropy and, when the batch has `returns`, critic terms
         added to the loss's per-token value (`algos.loss_terms`).
         """
@@ -233,11 +248,12 @@ class PolicyWorker:
                 with torch.no_grad():
                     ref = self._logprobs(mb, temperature, model=self._reference())
                 kw.update({k: ref for k in kw if k == "ref_logprobs"})
+            prox = mb["prox_logprobs"] if "prox_logprobs" in mb else lp.detach()
             if correction == "none":
                 per_token, metrics = loss_fn(lp, behavior, mb["advantages"], mask, **kw)
             else:
-                per_token, metrics = loss_fn(lp, lp.detach(), mb["advantages"], mask, **kw)
-                weight, is_metrics = is_correction(lp, behavior, mask, correction,
+                per_token, metrics = loss_fn(lp, prox, mb["advantages"], mask, **kw)
+                weight, is_metrics = is_correction(prox, behavior, mask, correction,
                                                    **(correction_args or {}))
                 per_token = per_token * weight
                 metrics = {**metrics, **is_metrics}
@@ -258,10 +274,10 @@ class PolicyWorker:
             loss_total += float(loss.detach())
             with torch.no_grad():
                 n_tok = float(mask.sum())
-                diff = (lp - behavior)[mask]
+                diff = (prox - behavior)[mask]
                 on_policy = mask if version is None else mask & (mb["versions"] == version)
                 if on_policy.any():
-                    max_abs = max(max_abs, float((lp - behavior)[on_policy].abs().max()))
+                    max_abs = _nanmax(max_abs, float(diff.abs()[on_policy[mask]].max()))
                 k3 = float((diff.exp() - 1 - diff).sum())  # k3 estimate of KL(behavior || trainer)
                 named = {"mismatch/kl": (k3, n_tok),
                          "mismatch/on_policy_fraction": (float(on_policy.sum()), n_tok)}
@@ -293,10 +309,15 @@ class PolicyWorker:
             torch.nn.utils.clip_grad_norm_(critic.parameters(), self.cfg["grad_clip"])
         if self.reference is not None:
             self.reference.reshard()
-        self.optim.step()
+        finite = torch.tensor(float(math.isfinite(loss_total) and math.isfinite(grad_norm)),
+                              device=self.device)
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)      # every rank steps, or none does
+        if finite.item():
+            self.optim.step()
         self.optim.zero_grad(set_to_none=True)
         return {"loss": loss_total, "grad_norm": float(grad_norm), "sums": sums, "counts": counts,
                 "max": {"mismatch/max_abs": max_abs, "memory/trainer_peak_gib": _peak_gib()},
+                "nonfinite": not finite.item(),
                 "time": {"train/fwd_bwd_s": t1 - t0, "train/optim_s": time.perf_counter() - t1}}
 
     def trained_logprobs(self) -> torch.Tensor:
@@ -367,19 +388,24 @@ class PolicyWorker:
     def load_checkpoint(self, path: str, critic: bool) -> None:
         ckpt.load_rank(self, path, critic)
 
-    def _named_full_tensors(self, merge: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        """Gathered parameters; with LoRA and `merge`, the merged HF weights (`lora.merged`)."""
+    def _named_full_tensors(self, merge: bool = True, master: bool = False
+                            ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Gathered parameters; with LoRA and `merge`, the merged HF weights (`lora.merged`); in
+        the engines' dtypes (`model.dtype`, routers fp32) unless `master` (the fp32 masters)."""
         named = ((name, (p.full_tensor() if isinstance(p, DTensor) else p).detach())
                  for name, p in self.model.named_parameters())
         cfg = self.cfg["lora"]
-        return lora.merged(named, cfg["alpha"] / cfg["rank"]) if merge and cfg["rank"] else named
+        named = lora.merged(named, cfg["alpha"] / cfg["rank"]) if merge and cfg["rank"] else named
+        dtype = _DTYPES[self.dtype]
+        return ((n, t if master or n in self.fp32_names else t.to(dtype)) for n, t in named)
 
-    def full_params(self, adapter: bool = False) -> dict[str, torch.Tensor]:
+    def full_params(self, adapter: bool = False, master: bool = False) -> dict[str, torch.Tensor]:
         """Gathered parameters by HF name (LoRA: merged), or with `adapter` only the LoRA
-        weights under PEFT's saved names (a collective: call on every rank)."""
+        weights under PEFT's saved names (a collective: call on every rank); `master`: the fp32
+        master weights instead of the engines' dtypes."""
         if adapter:
-            return lora.adapter_tensors(self._named_full_tensors(merge=False))
-        return {n: t.cpu() for n, t in self._named_full_tensors()}
+            return lora.adapter_tensors(self._named_full_tensors(merge=False, master=True))
+        return {n: t.cpu() for n, t in self._named_full_tensors(master=master)}
 
     def push_weights(self, engines: list, version: int, bucket_bytes: int, timeout_s: float,
                      transport: str = "ray") -> dict[str, Any]:
@@ -420,6 +446,11 @@ def _peak_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20    # KiB on Linux
 
 
+def _nanmax(a: float, b: float) -> float:
+    """max that keeps a NaN (Python's `max` drops it when it comes first)."""
+    return a if math.isnan(a) else max(b, a)
+
+
 def _images(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
     return (mb["pixel_values"], mb["image_grid_thw"]) if "image_grid_thw" in mb else None
 
@@ -452,6 +483,8 @@ class Policy:
         self.cfg = trainer_cfg
         n = trainer_cfg.num_ranks
         self.replicas = trainer_cfg.tp_size * trainer_cfg.cp_size   # ranks per data shard
+        self.nonfinite_steps = self._nonfinite_run = 0
+        self._prox: torch.Tensor | None = None
         options, host, port, self._pg = cluster.rank_placement(
             n, actor_options or {"num_cpus": 0, "num_gpus": int(torch.cuda.is_available()),
                                  "resources": {}}, trainer_cfg.timeout_s)
@@ -486,24 +519,53 @@ class Policy:
               loss_agg: str = "token-mean", temperature: float = 1.0, correction: str = "none",
               correction_args: dict | None = None, version: int | None = None,
               terms: dict | None = None) -> dict[str, float]:
-        """One optimizer step on a `collate` batch [B, T]; returns plain-float metrics.
-        `correction`/`version`/`terms`: see `PolicyWorker.train_step`."""
-        mask = batch["loss_mask"]
-        num_tokens, num_seqs = int(mask.sum()), int(mask.any(-1).sum())
-        self._rows = mask.shape[0]
-        outs = self._get([w.train_step.remote(part, loss_fn, loss_args or {}, loss_agg, num_tokens,
-                                              num_seqs, temperature, correction,
-                                              correction_args or {}, version, terms)
-                          for w, part in zip(self.workers, self._split(batch))],
-                         "train_step")[::self.replicas]
-        metrics = {"loss": sum(o["loss"] for o in outs), "grad_norm": outs[0]["grad_norm"]}
+        """`trainer.epochs` x `trainer.mini_batches` optimizer steps on a `collate` batch [B, T]
+        (each epoch: the rows in `mini_batches` consecutive parts, each loss normalised by its
+        own global counts); returns plain-float metrics, token-weighted over all steps (`loss`,
+        `grad_norm`: the mean step's). With more than one step pi_prox is computed first, on the
+        weights before the first step. `correction`/`version`/`terms`: `PolicyWorker.train_step`.
+        A step with a non-finite loss or grad norm is skipped (`faults/nonfinite_steps`, total);
+        `trainer.max_nonfinite_steps` of them in a row raise."""
+        B = self._rows = batch["input_ids"].shape[0]
+        bounds = [(int(r[0]), int(r[-1]) + 1)
+                  for r in torch.arange(B).tensor_split(min(self.cfg.mini_batches, B))]
+        self._prox = None           # trained_logprobs: the workers' own with one step
+        if len(bounds) * self.cfg.epochs > 1:
+            self._prox = self.logprobs(batch, temperature)
+            batch = {**batch, "prox_logprobs": self._prox}
+        steps = []
+        for _ in range(self.cfg.epochs):
+            for s, e in bounds:
+                part = {k: v[s:e] for k, v in batch.items()}
+                mask = part["loss_mask"]
+                steps.append(self._get([w.train_step.remote(
+                    p, loss_fn, loss_args or {}, loss_agg, int(mask.sum()),
+                    int(mask.any(-1).sum()), temperature, correction, correction_args or {},
+                    version, terms) for w, p in zip(self.workers, self._split(part))],
+                    "train_step")[::self.replicas])
+                self._count_nonfinite(steps[-1][0]["nonfinite"])
+        outs = [o for step in steps for o in step]
+        metrics = {"loss": sum(o["loss"] for o in outs) / len(steps),
+                   "grad_norm": sum(step[0]["grad_norm"] for step in steps) / len(steps),
+                   "faults/nonfinite_steps": self.nonfinite_steps}
         for k in outs[0]["sums"]:
             count = sum(o["counts"][k] for o in outs)
             metrics[k] = sum(o["sums"][k] for o in outs) / max(count, 1.0)
-        for group, reduce in (("max", max), ("time", max)):
-            for k in outs[0][group]:
-                metrics[k] = reduce(o[group][k] for o in outs)
+        for k in outs[0]["max"]:
+            metrics[k] = functools.reduce(_nanmax, (o["max"][k] for o in outs))
+        for k in outs[0]["time"]:
+            metrics[k] = sum(max(o["time"][k] for o in step) for step in steps)
         return metrics
+
+    def _count_nonfinite(self, skipped: bool) -> None:
+        self.nonfinite_steps += skipped
+        self._nonfinite_run = self._nonfinite_run + 1 if skipped else 0
+        if self._nonfinite_run >= self.cfg.max_nonfinite_steps:
+            raise RuntimeError(
+                f"{self._nonfinite_run} optimizer steps in a row had a non-finite loss or gradient "
+                f"norm (trainer.max_nonfinite_steps={self.cfg.max_nonfinite_steps}); they were "
+                "skipped, the weights are unchanged. Look for NaN/inf rewards, advantages or "
+                "behavior log-probs, or lower trainer.lr (fp16 overflow: use model.dtype=bfloat16)")
 
     def logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0,
                  with_routing: bool = False
@@ -523,6 +585,9 @@ class Policy:
     def trained_logprobs(self) -> Callable[[], torch.Tensor]:
         """Requests the trainer log-probs the last `train` used (pre-update) now; the returned
         function waits for them: [B, T], 0 where not trainable."""
+        if self._prox is not None:          # several steps: pi_prox, computed before them
+            prox = self._prox
+            return lambda: prox
         refs, rows = [w.trained_logprobs.remote() for w in self.workers], self._rows
 
         def fetch() -> torch.Tensor:
@@ -546,9 +611,10 @@ class Policy:
                           method)[::self.replicas]
         return torch.cat(parts)[:batch["input_ids"].shape[0]]
 
-    def full_params(self, adapter: bool = False) -> dict[str, torch.Tensor]:
-        """Gathered parameters by HF name (LoRA: merged; `adapter`: the adapter weights only)."""
-        return self._get([w.full_params.remote(adapter) for w in self.workers],
+    def full_params(self, adapter: bool = False, master: bool = False) -> dict[str, torch.Tensor]:
+        """Gathered parameters by HF name (LoRA: merged; `adapter`: the adapter weights only), as
+        the engines get them (`master`: the fp32 master weights)."""
+        return self._get([w.full_params.remote(adapter, master) for w in self.workers],
                          "full_params")[0]
 
     def save_checkpoint(self, path: str) -> bool:

@@ -63,9 +63,13 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                 t0 = time.perf_counter()
                 groups = scheme.next_batch(step)
                 t_gen = time.perf_counter() - t0
-                for impl in reversed(plugins.hook.molt_filter_batch.get_hookimpls()):
-                    kw = {"groups": groups, "step": step, "refill": refill}
-                    groups = impl.function(**{k: kw[k] for k in impl.argnames}) or groups
+                groups = filter_batch(plugins, groups, step, refill)
+                if not groups:          # the filters kept nothing: no update this step, counted
+                    generator.counters["trainer/empty_batches"] += 1
+                    history.append(metrics := {"version": version, **generator.counters})
+                    plugins.hook.molt_on_step_end(step=step, metrics=metrics)
+                    sink.log(step, metrics)
+                    continue
                 trajs = [t for g in groups for t in g]
                 rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
                 batch, adv, adv_metrics = training_batch(trajs, estimator, alg, policy,
@@ -106,6 +110,16 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
     return history
 
 
+def filter_batch(plugins: Plugins, groups: list, step: int, refill: Any) -> list:
+    """Each `molt_filter_batch` in turn (registration order); None leaves the groups as they are,
+    a list (also []) replaces them."""
+    for impl in reversed(plugins.hook.molt_filter_batch.get_hookimpls()):
+        kw = {"groups": groups, "step": step, "refill": refill}
+        out = impl.function(**{k: kw[k] for k in impl.argnames})
+        groups = groups if out is None else out
+    return groups
+
+
 def consistency_due(cfg: Config, step: int) -> bool:
     every = cfg.check.consistency_every
     return bool(every) and step % every == 0
@@ -130,7 +144,7 @@ def check_consistency(cfg: Config, step: int, metrics: dict[str, Any]) -> None:
     if not consistency_due(cfg, step):
         return
     gap = metrics.get("mismatch/max_abs", 0.0)
-    if gap > cfg.check.consistency_tol:
+    if not gap <= cfg.check.consistency_tol:        # NaN fails too
         raise ForwardConsistencyError(
             f"step {step}: trainer and engine log-probs differ by up to {gap:.3g} on on-policy "
             f"tokens (check.consistency_tol={cfg.check.consistency_tol}). Likely causes: a dtype "

@@ -37,31 +37,56 @@ def test_tis_truncates_the_weight():
     assert m["is_filtered_fraction"].sum() == 0
 
 
-def test_icepop_masks_tokens_outside_the_band():
+def test_icepop_keeps_the_ratio_inside_the_band_and_zero_outside():
     lp, beh, mask = _lp()
     w, m = is_correction(lp, beh, mask, "icepop", low=0.5, high=2.0)
-    assert w.tolist() == [[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
+    # IcePop as written: M(k) = k if alpha <= k <= beta else 0, k = pi_train / pi_infer
+    k = torch.exp(lp - beh)
+    want = torch.where((k >= 0.5) & (k <= 2.0) & mask, k, 0.0)
+    torch.testing.assert_close(w, want)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 0.0, 0.0], [1.5, 0.8, 0.0]]))
     assert m["is_filtered_fraction"].tolist() == [[0, 1, 1], [0, 0, 0]]   # masked pad: not counted
 
 
-def test_mis_masks_whole_sequences_by_geometric_mean():
+def test_mis_weights_by_the_sequence_ratio_below_the_cap():
+    lp, beh, mask = _lp()
+    # Liu et al.: rho = prod_t pi_train / pi_infer over the sequence, weight rho * 1[rho <= C]
+    rho = torch.exp(((lp - beh) * mask).sum(-1, keepdim=True))        # [0.75, 1.2]
+    for cap in (2.0, 1.0, 0.5):
+        w, _ = is_correction(lp, beh, mask, "mis", cap=cap)
+        want = torch.where(rho <= cap, rho, 0.0).expand(2, 3) * mask
+        torch.testing.assert_close(w, want)
+    w, _ = is_correction(lp, beh, mask, "mis", cap=1.0)
+    torch.testing.assert_close(w, torch.tensor([[0.75, 0.75, 0.75], [0.0, 0.0, 0.0]]))
+    huge = is_correction(beh + 30.0 * mask, beh, mask, "mis")[0]       # exp would overflow
+    assert huge.isfinite().all() and (huge == 0).all()
+
+
+def test_geo_mask_masks_whole_sequences_by_geometric_mean():
     lp, beh, mask = _lp()
     # row 0: (1 * 3 * 0.25)^(1/3) = 0.909 -> kept; row 1: (1.5 * 0.8)^(1/2) = 1.095 -> kept
-    w, _ = is_correction(lp, beh, mask, "mis", low=0.95, high=2.0)
+    w, _ = is_correction(lp, beh, mask, "geo_mask", low=0.95, high=2.0)
     assert w.tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
-    w, _ = is_correction(lp, beh, mask, "mis", low=0.5, high=1.05)
+    w, _ = is_correction(lp, beh, mask, "geo_mask", low=0.5, high=1.05)
     assert w.tolist() == [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
 
 
-def test_correction_weight_is_detached_and_scales_the_gradient():
-    lp, beh, mask = _lp()
-    lp = lp.clone().requires_grad_(True)
-    w, _ = is_correction(lp, beh, mask, "tis", cap=2.0)
+def test_corrected_loss_clips_against_the_proximal_policy():
+    """Decoupled PPO: the ratio is pi_theta / pi_prox (clipped), the IS weight pi_prox / pi_beh;
+    the weight carries no gradient and tokens outside the trust region get none either."""
+    prox, beh, mask = _lp()
+    lp = (prox + torch.tensor([[0.0, 0.5, -0.5], [-0.5, 0.1, 0.0]])).requires_grad_(True)
+    w, _ = is_correction(prox, beh, mask, "tis", cap=2.0)
     assert not w.requires_grad
-    adv = torch.ones(2, 3)
-    per_token, _ = ppo_clip_loss(lp, lp.detach(), adv, mask)   # the proximal policy: ratio 1
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    per_token, m = ppo_clip_loss(lp, prox, adv, mask, clip_low=0.2, clip_high=0.2)
     (per_token * w * mask).sum().backward()
-    assert torch.allclose(lp.grad, -w)                          # d(-A r w)/d lp = -A w
+    ratio = torch.exp(lp.detach() - prox)
+    # clipped: r > 1 + 0.2 where A > 0, r < 1 - 0.2 where A < 0
+    clipped = torch.tensor([[False, True, False], [True, False, False]])
+    assert torch.equal(m["clip_fraction"].bool() & mask, clipped)
+    want = torch.where(clipped, 0.0, -adv * ratio * w) * mask          # d(-A r w)/d lp = -A r w
+    torch.testing.assert_close(lp.grad, want)
 
 
 def test_config_rejects_off_policy_schemes_without_correction(tiny_model_dir):

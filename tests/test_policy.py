@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import math
 import sys
 import time
 
@@ -11,13 +13,19 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from molt_core.algos import masked_mean
+from molt_core.cli import load
 from molt_core.config import TrainerConfig
+from molt_core.engines.hf import HFEngine
 from molt_core.policy import Policy
+from molt_core.trainer import ForwardConsistencyError, check_consistency
+from molt_grpo import ppo_clip_loss
 
 # Workers cannot import this test module: ship its functions (the loss) by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 B_ROWS = 7          # odd: the 2-rank policy pads one dummy row
+CLIPS = {"tight": 1e-3, "wide": 100.0}
+BF16_LR = 1e-6      # far below half a bf16 ulp of the tiny model's weights
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +73,10 @@ def make_batch(model_path: str, B: int = B_ROWS, T: int = 20, seed: int = 0
     return batch
 
 
-def start(model_path: str, **trainer) -> Policy:
+def start(model_path: str, dtype: str = "float32", **trainer) -> Policy:
     return Policy(model_path, TrainerConfig(**{"lr": 1e-3, "timeout_s": 60.0,
-                                               "weight_sync_transport": "ray", **trainer}))
+                                               "weight_sync_transport": "ray", **trainer}),
+                  dtype=dtype)
 
 
 def assert_params_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-5):
@@ -76,32 +85,24 @@ def assert_params_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
     assert worst <= atol, f"max parameter difference {worst}"
 
 
-@ray.remote(num_cpus=0)
-class StandInEngine:
-    """Stand-in for `molt_core.engines.hf.HFEngine` until it lands: the same HF model and the same
-    `update_weights` / `finish_weight_update` contract (coverage-checked, dtype-preserving)."""
+class ProbeEngine(HFEngine):
+    """The real HF engine plus a parameter read-out and an optional stall per bucket (tests only:
+    a stalled engine must time the push out)."""
 
-    def __init__(self, model_path: str, stall_s: float = 0.0):
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        self.params = dict(self.model.named_parameters())
-        self.stall_s, self.version, self.updated, self.dtypes = stall_s, -1, set(), {}
+    def __init__(self, model_path: str, stall_s: float = 0.0, **kw) -> None:
+        super().__init__(model_path, **kw)
+        self.stall_s = stall_s
 
-    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
-        time.sleep(self.stall_s)
-        with torch.no_grad():
-            for name, t in named_tensors:
-                self.params[name].copy_(t)
-                self.updated.add(name)
-                self.dtypes[name] = t.dtype
+    async def update_weights(self, named_tensors, version) -> None:
+        await asyncio.sleep(self.stall_s)
+        await super().update_weights(named_tensors, version)
 
-    def finish_weight_update(self, version: int) -> None:
-        missing = self.params.keys() - self.updated
-        if missing:
-            raise RuntimeError(f"weight update {version} missed {sorted(missing)}")
-        self.version, self.updated = version, set()
+    async def state(self) -> tuple[int, dict[str, torch.Tensor]]:
+        return self._version, {n: p.detach().clone() for n, p in self.model.named_parameters()}
 
-    def state(self) -> tuple[int, dict[str, torch.Tensor], dict[str, torch.dtype]]:
-        return self.version, {k: v.detach().clone() for k, v in self.params.items()}, self.dtypes
+
+def engine(model_path: str, **kw):
+    return ray.remote(ProbeEngine).options(num_cpus=0).remote(model_path, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -110,12 +111,16 @@ def cluster(ray_local, model_path):
 
     one: 1 rank, one micro-batch; micro: 1 rank, micro-batches of 3 rows; two: 2 ranks, one row
     per micro-batch (so some micro-batches hold no trainable token), lm_head chunks of 3 tokens.
+    mb4/{none,tis}/{tight,wide}: 4 optimizer steps per batch; bf16: bf16 compute, lr 1e-6.
     """
-    engines = [StandInEngine.remote(model_path) for _ in range(2)]
+    engines = [engine(model_path) for _ in range(2)]
     policies = {"one": start(model_path, micro_batch_size=64),
                 "micro": start(model_path, micro_batch_size=3, weight_sync_timeout_s=1.0),
                 "two": start(model_path, num_ranks=2, micro_batch_size=1, logprob_chunk=3,
-                             weight_sync_bucket_mb=0.05)}
+                             weight_sync_bucket_mb=0.05),
+                **{f"mb4/{c}/{clip}": start(model_path, mini_batches=4)
+                   for c in ("none", "tis") for clip in CLIPS},
+                "bf16": start(model_path, "bfloat16", lr=BF16_LR)}
     ray.get([e.state.remote() for e in engines])
     yield policies, engines
     for p in policies.values():
@@ -131,6 +136,7 @@ TRAINED_LP: dict[str, list] = {}     # policy -> [(logprobs before train, traine
 def trained(cluster, model_path):
     """Two identical optimizer steps on every policy (token-mean, then seq-mean-token-mean)."""
     policies, _ = cluster
+    policies = {k: policies[k] for k in ("one", "micro", "two")}
     metrics = {name: [] for name in policies}
     for seed, agg in ((0, "token-mean"), (1, "seq-mean-token-mean")):
         batch = make_batch(model_path, seed=seed)
@@ -190,19 +196,93 @@ def test_push_weights_after_training(cluster, trained):
     assert stats["buckets"] > 1
     trainer = trained[1]["two"]
     for e in engines:
-        version, params, dtypes = ray.get(e.state.remote())
+        version, params = ray.get(e.state.remote())
         assert version == 2
         assert params.keys() == trainer.keys()
-        assert all(dtypes[k] == trainer[k].dtype for k in trainer)
+        assert all(params[k].dtype == trainer[k].dtype for k in trainer)
         assert_params_close(params, trainer, atol=0.0)
 
 
 def test_push_to_stalled_engine_times_out_clearly(cluster, model_path):
     policies, engines = cluster
-    stalled = StandInEngine.remote(model_path, stall_s=60.0)
+    stalled = engine(model_path, stall_s=60.0)
     try:
         ray.get(stalled.state.remote())
         with pytest.raises(TimeoutError, match=r"engine 1 .*update_weights.*within 1.0s"):
             policies["micro"].push_weights([engines[0], stalled], version=3)
     finally:
         ray.kill(stalled)
+
+
+@pytest.mark.parametrize("correction", ["none", "tis"])
+def test_mini_batches_make_the_clip_act(cluster, model_path, correction):
+    """4 optimizer steps per batch: from the second on pi_theta != pi_prox, so the clip shapes the
+    update also with a correction (ratio to pi_prox), as without one (ratio to pi_behavior)."""
+    policies, _ = cluster
+    batch = make_batch(model_path, seed=3)
+    start = policies[f"mb4/{correction}/tight"].full_params()
+    params, metrics = {}, {}
+    for clip, eps in CLIPS.items():
+        p = policies[f"mb4/{correction}/{clip}"]
+        metrics[clip] = p.train(batch, ppo_clip_loss, {"clip_low": eps, "clip_high": eps},
+                                "token-mean", correction=correction, correction_args={})
+        params[clip] = p.full_params()
+    assert metrics["tight"]["clip_fraction"] > 0.1 and metrics["wide"]["clip_fraction"] == 0
+    # the steps moved the policy away from the weights the engine sampled with, and pi_prox
+    # (the mismatch metrics) is still those weights
+    assert metrics["tight"]["mismatch/max_abs"] == pytest.approx(
+        metrics["wide"]["mismatch/max_abs"], abs=1e-6)
+    moved = {c: max((params[c][k] - start[k]).abs().max().item() for k in start) for c in CLIPS}
+    assert min(moved.values()) > 1e-4, moved
+    diff = max((params["tight"][k] - params["wide"][k]).abs().max().item() for k in start)
+    assert diff > 1e-4, "clip 0.001 and clip 100 gave the same update"
+
+
+def test_bf16_compute_keeps_fp32_master_weights(cluster, model_path):
+    """An lr-sized AdamW step, which bf16 weights would round away, moves the fp32 masters; the
+    engines get bf16 weights (the dtype the real HF engine checks)."""
+    policies, _ = cluster
+    p = policies["bf16"]
+    before = p.full_params(master=True)
+    assert {t.dtype for t in before.values()} == {torch.float32}
+    p.train(make_batch(model_path, seed=4), ppo_clip_loss, {}, "token-mean")
+    after = p.full_params(master=True)
+    name = "model.layers.0.mlp.down_proj.weight"
+    step = (after[name] - before[name]).abs()
+    # AdamW's first step: lr * g / (|g| + eps), about lr wherever there is a gradient
+    assert ((step > 0.5 * BF16_LR) & (step < 1.01 * BF16_LR)).float().mean() > 0.9
+    pure = (before[name].bfloat16().float() + after[name] - before[name]).bfloat16()
+    assert (pure == before[name].bfloat16()).float().mean() > 0.9     # lost in bf16 weights
+    bf16 = engine(model_path, dtype="bfloat16")
+    try:
+        p.push_weights([bf16], version=1)
+        version, params = ray.get(bf16.state.remote(), timeout=60)
+        assert version == 1 and params[name].dtype == torch.bfloat16
+        assert torch.equal(params[name], after[name].bfloat16())
+    finally:
+        ray.kill(bf16)
+
+
+def test_nonfinite_steps_are_skipped_and_abort_in_a_row(cluster, trained, model_path):
+    """Last in the module: it trains the 2-rank policy further. A NaN behavior log-prob in a row
+    of rank 1 only: the gap is NaN (and fails the consistency check), the step is skipped on both
+    ranks, the weights stay; a finite batch trains again; max_nonfinite_steps in a row abort."""
+    p = cluster[0]["two"]
+    bad = make_batch(model_path, seed=5)
+    bad["behavior_logprobs"][5, bad["loss_mask"][5].nonzero()[0]] = float("nan")
+    before = p.full_params()
+    m = p.train(bad, ppo_clip_loss, {}, "token-mean")
+    assert math.isnan(m["mismatch/max_abs"]) and m["faults/nonfinite_steps"] == 1
+    with pytest.raises(ForwardConsistencyError):
+        check_consistency(load(None, [f"model.path={model_path}"])[0], 0, m)
+    assert_params_close(p.full_params(), before, atol=0.0)
+    m = p.train(make_batch(model_path, seed=6), ppo_clip_loss, {}, "token-mean")
+    assert math.isfinite(m["loss"]) and m["faults/nonfinite_steps"] == 1
+    after = p.full_params()
+    assert all(t.isfinite().all() for t in after.values())
+    assert max((after[k] - before[k]).abs().max().item() for k in after) > 0
+    for _ in range(2):
+        p.train(bad, ppo_clip_loss, {}, "token-mean")
+    with pytest.raises(RuntimeError, match=r"3 optimizer steps in a row.*max_nonfinite_steps=3"):
+        p.train(bad, ppo_clip_loss, {}, "token-mean")
+    assert_params_close(p.full_params(), after, atol=0.0)

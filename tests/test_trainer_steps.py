@@ -1,0 +1,50 @@
+"""The training loop around the update, on the real loop (HF engine, fsdp2 policy, Ray): a batch
+filter that empties the batch skips the update (counted), and several optimizer steps per batch
+make the clip act in an async run."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from molt_core.cli import load
+from molt_core.trainer import train
+
+PLUGIN = '''
+from molt_core import hookimpl
+
+
+@hookimpl
+def molt_filter_batch(groups, step):
+    return [] if step == 1 else None        # [] is "nothing left", only None is "unchanged"
+'''
+
+
+@pytest.fixture(scope="module")
+def history(ray_local, tiny_chars_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("plugin")
+    (d / "molt_test_empty_filter.py").write_text(PLUGIN)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(d))
+        cfg, plugins = load("recipes/cpu/next_letter.yaml", [
+            f"model.path={tiny_chars_dir}", "trainer.steps=3", "rollout.groups_per_step=4",
+            "rollout.scheme=async", "algorithm.correction=tis", "rollout.max_staleness=1",
+            "trainer.mini_batches=4", "algorithm.loss_args={clip_low: 0.001, clip_high: 0.001}"],
+            ["molt_test_empty_filter"])
+        yield train(cfg, plugins, None, progress=False)
+    sys.modules.pop("molt_test_empty_filter", None)
+
+
+def test_a_filter_that_empties_the_batch_skips_the_update(history):
+    skipped = history[1]
+    assert skipped["trainer/empty_batches"] == 1 and "loss" not in skipped
+    assert [h["version"] for h in history] == [1, 1, 2]      # no weight push for step 1
+    assert "trainer/empty_batches" not in history[0] and history[2]["trainer/empty_batches"] == 1
+
+
+def test_mini_batches_make_the_clip_act_in_async(history):
+    for h in (history[0], history[2]):
+        # ratio to pi_prox: 1 in the first mini-batch step, clipped in the later ones
+        assert h["clip_fraction"] > 0.05, h
+        assert h["is_weight"] > 0
