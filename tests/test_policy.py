@@ -273,8 +273,9 @@ def test_nonfinite_steps_are_skipped_and_abort_in_a_row(cluster, trained, model_
     before = p.full_params()
     m = p.train(bad, ppo_clip_loss, {}, "token-mean")
     assert math.isnan(m["mismatch/max_abs"]) and m["faults/nonfinite_steps"] == 1
+    cfg = load(None, [f"model.path={model_path}", "agent.args.env=next_letter"])[0]
     with pytest.raises(ForwardConsistencyError):
-        check_consistency(load(None, [f"model.path={model_path}"])[0], 0, m)
+        check_consistency(cfg, 0, m)
     assert_params_close(p.full_params(), before, atol=0.0)
     m = p.train(make_batch(model_path, seed=6), ppo_clip_loss, {}, "token-mean")
     assert math.isfinite(m["loss"]) and m["faults/nonfinite_steps"] == 1
