@@ -246,7 +246,7 @@ def test_context_overflow_is_a_400_naming_both_lengths(tiny_model_dir, tok):
 @pytest.fixture(scope="module")
 def tool_model_dir(tiny_model_dir, tok, tmp_path_factory) -> Path:
     """The tiny model, imprinted to call the calculator for QUESTION, then answer."""
-    from molt_chat.imprint import imprint
+    from molt_tools.imprint import imprint
 
     q = [{"role": "user", "content": QUESTION}]
     p1 = render(tok, q, [TOOL])
@@ -484,7 +484,7 @@ COUNT = "one two three four"
 def api_model_dir(tiny_model_dir, tok, tmp_path_factory) -> Path:
     """Imprinted: QUESTION (and "What is 3 + 3?") -> calculator call -> answer; "Break it." ->
     a malformed call; "Count." -> COUNT."""
-    from molt_chat.imprint import imprint
+    from molt_tools.imprint import imprint
 
     q = [{"role": "user", "content": QUESTION}]
     done = q + [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function",

@@ -49,7 +49,7 @@ def test_vl_colour_learns(ray_local, tiny_vl_dir, tmp_path):
 @pytest.fixture(scope="session")
 def calculator_dir(tmp_path_factory):
     """The chat recipe's policy, built here: tiny Qwen3 + short SFT (~1 min CPU)."""
-    from molt_chat.calculator import build_model
+    from molt_tools.calculator_model import build_model
 
     return build_model(tmp_path_factory.mktemp("calculator") / "model")
 

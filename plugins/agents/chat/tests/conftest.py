@@ -20,7 +20,7 @@ def solver_dir(chat_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     from transformers import AutoTokenizer
 
     from molt_chat.calculator import TOOL, Calculator
-    from molt_chat.imprint import imprint
+    from molt_tools.imprint import imprint
 
     tok = AutoTokenizer.from_pretrained(chat_tiny_dir)
     pairs = []
