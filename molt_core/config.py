@@ -102,8 +102,8 @@ class TrainerConfig:
     # Optimizer steps per rollout batch = mini_batches * epochs (each epoch splits the batch's rows
     # into mini_batches parts). More than one step: pi_prox (the log-probs before the first step)
     # is computed once per batch and the loss's ratio/clip acts against it (decoupled PPO).
-    mini_batches: int = 1
-    epochs: int = 1
+    mini_batches: int = 1                # optimizer steps per epoch over one rollout batch
+    epochs: int = 1                      # passes over one rollout batch
     max_nonfinite_steps: int = 3         # steps in a row with a NaN/inf loss or grad norm: abort
     logprob_chunk: int = 1024            # trainable tokens per lm_head chunk
     timeout_s: float = 300.0             # collectives and trainer RPCs
