@@ -191,7 +191,8 @@ def test_export_matches_the_trainer(ray_local, tmp_path_factory, arch):
 
     from molt_core.cli import CHARSET
     from molt_core.config import TrainerConfig
-    from molt_core.policy import Policy, token_logprobs
+    from molt_core.logprobs import token_logprobs
+    from molt_core.policy import Policy
     from molt_tools.tiny import build_tiny_model
 
     tmp = tmp_path_factory.mktemp(arch)

@@ -99,7 +99,7 @@ def test_engine_records_routing(moe_dir):
 def test_routing_survives_mid_wave_weight_update(moe_dir):
     """A weight update mid-wave re-prefills; the recorded routing still equals what a full
     forward over prompt + completion routes each fed token to."""
-    from molt_core.policy import token_logprobs
+    from molt_core.logprobs import token_logprobs
 
     engine = HFEngine(str(moe_dir), seed=4)
     params = [(n, p.detach().clone()) for n, p in engine.model.named_parameters()]
@@ -266,7 +266,7 @@ def test_replay_covers_context_tokens(moe_dir, perturbed_moe_dir):
     """An engine whose router differs a little from the trainer's: with replay the trainer's
     forward uses the engine's experts at every fed position, prompt and env tokens included;
     recomputing (off) routes some of those context positions elsewhere."""
-    from molt_core.policy import token_logprobs
+    from molt_core.logprobs import token_logprobs
 
     engine = HFEngine(str(perturbed_moe_dir), seed=5)
     trajs = [Trajectory() for _ in PROMPTS]
@@ -300,7 +300,7 @@ def test_replay_covers_context_tokens(moe_dir, perturbed_moe_dir):
 def test_aux_loss_matches_transformers(moe_dir):
     """Routing off, the aux loss equals transformers' load_balancing_loss_func (as Qwen3-MoE's
     forward computes it); replaying other experts changes it."""
-    from molt_core.policy import token_logprobs
+    from molt_core.logprobs import token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(moe_dir)
     ids = torch.tensor([[5, 9, 11, 40, 12, 13], [6, 9, 12, 0, 0, 0]])

@@ -16,7 +16,8 @@ from molt_core.cli import load
 from molt_core.config import TrainerConfig
 from molt_core.engines.hf import HFEngine
 from molt_core.generator import Generator
-from molt_core.policy import Policy, token_logprobs
+from molt_core.logprobs import token_logprobs
+from molt_core.policy import Policy
 from molt_core.trainer import probe_consistency, train
 from molt_core.trajectory import Trajectory, collate
 from molt_grpo import ppo_clip_loss

@@ -20,7 +20,7 @@ from molt_core import multimodal
 from molt_core.engines.hf import HFEngine
 from molt_core.generator import RolloutContext
 from molt_core.plugins import build_plugins
-from molt_core.policy import token_logprobs
+from molt_core.logprobs import token_logprobs
 from molt_core.trajectory import InvariantError, Trajectory, collate
 from molt_gym import GymAgent
 
