@@ -299,11 +299,25 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         # (trainer.moe_routing=off); booleans are written true/false.
         words = raw.lower() in ("on", "off", "yes", "no", "y", "n")
         try:
-            node[parts[-1]] = raw if words else yaml.safe_load(raw) if raw else ""
+            node[parts[-1]] = raw if words else safe_load(raw) if raw else ""
         except yaml.YAMLError as e:
             raise ConfigError(f"override '{item}': the value is not valid YAML "
                               f"({_yaml_problem(e)}); quote text, close brackets") from None
     return data
+
+
+class _Loader(yaml.SafeLoader):
+    """`yaml.safe_load` plus YAML 1.2's floats without a dot: YAML 1.1 reads `lr: 3e-4` as a
+    string, which nobody writing a learning rate means."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                              re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+                              list("-+0123456789."))
+
+
+def safe_load(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)   # noqa: S506 (a SafeLoader)
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
@@ -321,7 +335,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (),
         if not p.is_file():
             raise ConfigError(f"recipe '{path}' does not exist")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = safe_load(p.read_text()) or {}
         except UnicodeDecodeError:
             raise ConfigError(f"recipe '{path}' is not a text file (binary?); pass a YAML "
                               "recipe") from None

@@ -36,6 +36,15 @@ def test_overrides_are_typed(recipe):
     assert cfg.agent.args["env"] == "guess_number"
 
 
+def test_exponent_floats_without_a_dot(recipe, tmp_path):
+    """YAML 1.1 reads `3e-4` as a string; in a recipe and on the command line it is a float."""
+    assert load_config(recipe(), ["trainer.lr=3e-4"]).trainer.lr == 3e-4
+    text = open(recipe()).read().replace("lr: ", "lr: 2E-5 #", 1)
+    (tmp_path / "exp.yaml").write_text(text)
+    assert load_config(tmp_path / "exp.yaml").trainer.lr == 2e-5
+    assert load_config(recipe(), ["name=1e"]).name == "1e"          # not a number: text
+
+
 @pytest.mark.parametrize("change, override, message", [
     ({}, "trainer.stepz=3", "unknown config key 'trainer.stepz'; valid keys here: backend"),
     ({}, "trainer.steps=abc", "config key 'trainer.steps' must be int, got 'abc'"),
