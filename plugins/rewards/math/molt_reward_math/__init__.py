@@ -3,11 +3,15 @@ math-verify (symbolic equivalence: 1/2 == \\frac{1}{2} == 0.5, sets, intervals, 
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from molt_core import hookimpl
 
 __all__ = ["math_reward"]
+
+# math-verify warns "Timeout is disabled" on every call made off the main thread (said once below)
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 
 def math_reward(response: str, answer: str, *, require_boxed: bool = True,
