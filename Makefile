@@ -9,7 +9,7 @@ RECIPE ?= recipes/cpu/next_letter.yaml
 
 SMOLLM2 := .cache/smollm2-135m-instruct
 
-.PHONY: install install-test run test bench clean venv-vllm test-vllm pretrained bench-smollm2 venv-trl bench-trl dist
+.PHONY: install install-test run test bench clean venv-vllm test-vllm pretrained bench-smollm2 venv-trl bench-trl bench-trl-smollm2 dist
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -102,13 +102,16 @@ $(TVENV)/.installed:
 	$(PY) -m venv $(TVENV)
 	$(TVENV)/bin/pip install -q --upgrade pip
 	$(TVENV)/bin/pip install -q $(TORCH)
-	$(TVENV)/bin/pip install -q $(TORCH) trl==1.16.0 transformers==5.18.0
+	$(TVENV)/bin/pip install -q $(TORCH) trl==1.16.0 transformers==5.18.0 peft==0.21.2 math-verify==0.9.0
 	touch $@
 
 venv-trl: $(TVENV)/.installed
 
 bench-trl: install venv-trl
 	$(BIN)/python bench/vs_trl.py
+
+bench-trl-smollm2: pretrained venv-trl
+	$(BIN)/python bench/vs_trl.py --workload smollm2
 
 clean:
 	rm -rf $(VENV) $(VVENV) $(TVENV) .cache runs dist

@@ -1,39 +1,68 @@
 """Molt against TRL's GRPOTrainer on the same model, task, prompts and batch geometry.
 
 Each side runs in its own fresh process, one after the other (TRL from its own venv, `make
-venv-trl`, since it pins its own stack): start-up, per-step time, generation time per step,
-sampled tokens/s, and wall time from process launch until the mean reward of the last `--window`
-steps first reaches each level. Printed as Molt/TRL ratios (< 1: Molt is faster). Numbers, not
-pass/fail; the box load (`uptime`) is printed with them.
+venv-trl`, since it pins its own stack): start-up, per-step time, generation time per step and
+its share, sampled tokens/s, peak RSS, and wall time from process launch (held-out evaluations
+excluded) until the mean reward of the last `--window` steps, or the held-out greedy accuracy,
+first reaches each level. Printed as Molt/TRL ratios (< 1: Molt is faster). Numbers, not
+pass/fail; the box load is printed with them.
+
+Both sides read one config: the workload's Molt recipe plus the command line's `key=value`
+overrides (lr, steps, geometry, LoRA, eval). The prompts are made once, in Molt's venv, by the
+recipe's gym env on the tasks Molt's generator draws (task = seed * 1000003 + group id; held-out
+task EVAL_TASKS + i), and handed to TRL in that order (`shuffle_dataset=False`).
 
 Workload `addition` (the default): a tiny random-init Qwen3 (hidden 64, 2 layers, byte-level BPE,
 built locally), "what is 3 plus 4?" through the chat template, reward 1 when the reply starts with
 the sum, 0.1 for another digit; 16 prompts x 32 samples per step, 4 new tokens, temperature 1,
 lr 1e-3 constant, AdamW (0.9, 0.999), no weight decay, grad clip 1, no KL, entropy bonus 0.05,
 token-mean loss over the whole batch (TRL `loss_type="dapo"`), rewards normalised by the group's
-mean and std, one optimizer step per batch. Both sides see the same prompt sequence.
+mean and std, one optimizer step per batch.
+
+Workload `smollm2` (recipes/cpu/smollm2_arithmetic.yaml, `make pretrained` first): the converted
+SmolLM2-135M-Instruct on one-operation arithmetic word problems (+ and -, operands 2-30, split
+train; held-out: `eval.prompts` problems of split test), system message "Answer with just the
+final number.", its own chat template, LoRA r=16 alpha 32 dropout 0 on every linear layer but the
+head, lr 1e-4 constant (the recipe's), 4 prompts x 8 samples, 16 new tokens, T=1, reward
+math-verify on the reply against the answer (the same parse/verify calls as molt_reward_math,
+no \\boxed needed), AdamW/clip/loss/normalisation as above, no entropy bonus; greedy pass@1 on the
+held-out problems before training, every `eval.every` steps and at the end (Molt: `eval.k=0`,
+greedy only).
 
 Semantic differences that remain:
 - Molt's engine samples in its own decode loop and keeps the engine's log-probs as the behavior
   policy; TRL samples with `generate` and recomputes old log-probs with the trainer's forward
   (identical here: same fp32 weights, one step per batch, so the ratio is 1 on both sides).
-- Molt stops at every stop id of the model's generation config (<|im_end|> and <|endoftext|>);
-  TRL at the tokenizer's eos (<|im_end|>) only; the reward reads text before either.
-- Molt runs engine and trainer as two Ray actors (weights pushed after every step); TRL
-  generates with the model it trains, in one process.
-- async: Molt samples up to one version behind (max_staleness 1) with a TIS correction; TRL has
-  no asynchronous mode here, so async rows compare with TRL's (synchronous) run.
+- `addition`: Molt stops at every stop id of the model's generation config (<|im_end|> and
+  <|endoftext|>); TRL at the tokenizer's eos (<|im_end|>) only; the reward reads text before
+  either. `smollm2`: both stop at <|im_end|> only.
+- Molt runs engine and trainer as two Ray actors (weights pushed after every step; with LoRA the
+  merged weights); TRL generates with the model it trains, in one process (with LoRA: through the
+  unmerged adapters).
+- Group std: Molt divides by (std + 1e-6), TRL by (std + 1e-4); both unbiased.
+- Held-out greedy: Molt's engine decodes each prompt with top_k 1; TRL's side runs one batched,
+  left-padded `generate(do_sample=False)` over all held-out prompts (argmax either way; padding
+  may move fp32 rounding).
+- async (`addition` only): Molt samples up to one version behind (max_staleness 1) with a TIS
+  correction; TRL has no asynchronous mode here, so async rows compare with TRL's synchronous run.
+- TRL runs in fp32 without gradient checkpointing, like Molt (`bf16=False,
+  gradient_checkpointing=False`; TRL's defaults are bf16 autocast and checkpointing).
+- Peak RSS: each side's process tree (Molt: driver, Ray's daemons, trainer and engine actors),
+  sampled every second; shared pages count once per process.
 
-Measured 2026-12-01 on the shared 2-core box under load average 17-27 (other sessions' jobs),
---threads 1, 400 steps: per-step time Molt sync/TRL 0.22 (0.67 s vs 3.06 s), async 0.23;
-generation per step 0.67x; time to a 10-step mean reward of 0.1: 0.50 (sync) and 0.50 (async),
-of 0.2: 0.43 and 0.41 (async reached it before sync: 125 s vs 130 s; TRL 303 s); both reach a
-final reward of ~0.27 (learning per step matches); start-up to the first step 3.4x TRL's (60 s
-vs 18 s: Ray, two actor processes importing torch/transformers). 25 steps under load ~9: step
-0.59x (sync), 0.87x (async).
+`addition`, measured 2026-12-01 with TRL at its defaults (bf16 autocast, gradient checkpointing;
+not re-run since both are off) on the shared 2-core box under load average 17-27 (other sessions'
+jobs), --threads 1, 400 steps: per-step time Molt sync/TRL 0.22 (0.67 s vs 3.06 s), async 0.23;
+generation per step 0.67x; time to a 10-step mean reward of 0.1: 0.50 (sync) and 0.50 (async), of
+0.2: 0.43 and 0.41 (async reached it before sync: 125 s vs 130 s; TRL 303 s); both reach a final
+reward of ~0.27 (learning per step matches); start-up to the first step 3.4x TRL's (60 s vs 18 s:
+Ray, two actor processes importing torch/transformers). 25 steps under load ~9: step 0.59x (sync),
+0.87x (async).
 
-    python bench/vs_trl.py [--steps 80] [--schemes sync,async] [--levels 0.3,0.5] [--window 10]
-                           [--threads N]
+    python bench/vs_trl.py [--workload addition|smollm2] [--steps N] [--schemes sync,async]
+                           [--levels 0.3,0.5] [--acc-levels 0.3,0.5,0.7] [--window 10]
+                           [--threads N] [key=value ...]
+    make bench-trl; make bench-trl-smollm2    (--workload smollm2 needs make pretrained)
 """
 
 from __future__ import annotations
@@ -41,38 +70,90 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-GEOMETRY = {"prompts": 16, "samples": 32, "new_tokens": 4, "lr": 1e-3, "entropy_coef": 0.05}
 WORKLOADS = {
-    # name: (model directory, Molt recipe, env args); the TRL side reads the same prompts
-    "addition": (".cache/tiny-qwen3", "recipes/cpu/addition.yaml", {"hi": 4}),
+    # name: model dir (the recipe's), Molt recipe, the TRL reward, default schemes, Molt overrides
+    # the bench always adds
+    "addition": {"model": ".cache/tiny-qwen3", "recipe": "recipes/cpu/addition.yaml",
+                 "reward": "first_digit", "schemes": "sync,async", "overrides": []},
+    "smollm2": {"model": ".cache/smollm2-135m-instruct",
+                "recipe": "recipes/cpu/smollm2_arithmetic.yaml", "reward": "math",
+                "schemes": "sync", "overrides": ["eval.k=0"]},
 }
 
 
-def addition_reward(text: str, a: int, b: int) -> float:
-    """The `addition` env's reward (molt_gym.Addition), for the TRL side (no molt import)."""
+# --- rewards and measurements shared by both sides (no molt imports) ---------------------------
+
+def first_digit_reward(text: str, answer: str) -> float:
+    """molt_gym.Addition's reward: 1 for the sum as the reply's first character, 0.1 for another
+    digit."""
     first = text.strip()[:1]
-    return 1.0 if first == str(a + b) else 0.1 if first.isdigit() else 0.0
+    return 1.0 if first == answer else 0.1 if first.isdigit() else 0.0
 
 
-def tasks(seed: int, n: int, hi: int) -> list[tuple[int, int]]:
-    """The operands of groups 0..n-1, as Molt's generator draws them (task = seed * 1000003 +
-    group id, then molt_gym.Addition.reset)."""
-    out = []
-    for g in range(n):
-        rng = random.Random(seed * 1_000_003 + g)
-        out.append((rng.randint(0, hi), rng.randint(0, hi)))
-    return out
+def math_reward(text: str, answer: str) -> float:
+    """molt_reward_math.math_reward(require_boxed=False): math-verify's parse and verify."""
+    from math_verify import parse, verify
+    try:
+        gold, pred = parse(f"\\boxed{{{answer}}}"), parse(text)
+        return float(bool(gold and pred) and verify(gold, pred))
+    except Exception:  # as Molt's: a zero reward, never a crash
+        return 0.0
+
+
+REWARDS = {"first_digit": first_digit_reward, "math": math_reward}
+
+
+class PeakRSS(threading.Thread):
+    """Peak RSS of this process's tree, sampled every second: the largest process's and the
+    sum's."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.total, self.largest = 0, 0
+        self.start()
+
+    def run(self) -> None:
+        import psutil
+        me = psutil.Process()
+        while True:
+            rss = []
+            for p in [me, *me.children(recursive=True)]:
+                try:
+                    rss.append(p.memory_info().rss)
+                except psutil.Error:
+                    pass
+            self.total, self.largest = max(self.total, sum(rss)), max(self.largest, *rss)
+            time.sleep(1.0)
+
+    def gib(self) -> dict:
+        return {"rss_total_gib": self.total / 2**30, "rss_largest_gib": self.largest / 2**30}
 
 
 # --- TRL side (runs in .venv-trl: no molt imports) ---------------------------------------------
+
+def greedy_accuracy(model, tok, rows: list[dict], new_tokens: int, reward) -> float:
+    """Pass@1 of one batched greedy `generate` over the held-out rows."""
+    import torch
+    texts = [tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
+             for r in rows]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=False, max_new_tokens=new_tokens, top_k=None,
+                             top_p=None, temperature=None, pad_token_id=tok.pad_token_id)
+    model.train(was_training)
+    replies = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    return statistics.mean(reward(t, r["answer"]) >= 1.0 for t, r in zip(replies, rows))
+
 
 def run_trl(spec: dict) -> dict:
     import torch
@@ -81,6 +162,7 @@ def run_trl(spec: dict) -> dict:
     from trl import GRPOConfig, GRPOTrainer
     from trl.extras import profiling
 
+    rss = PeakRSS()
     gen_s: list[float] = []
     log_metrics = profiling.ProfilingContext._log_metrics
 
@@ -90,61 +172,133 @@ def run_trl(spec: dict) -> dict:
         return log_metrics(self, duration)
     profiling.ProfilingContext._log_metrics = record
 
-    g = spec["geometry"]
-    rows = [{"prompt": [{"role": "user", "content": f"what is {a} plus {b}?"}], "a": a, "b": b}
-            for a, b in spec["tasks"]]
+    g, reward_fn = spec["geometry"], REWARDS[spec["reward"]]
 
-    def reward(completions, a, b, **_):
-        return [addition_reward(c[0]["content"], x, y) for c, x, y in zip(completions, a, b)]
+    def reward(completions, answer, **_):
+        return [reward_fn(c[0]["content"], a) for c, a in zip(completions, answer)]
 
     steps: list[dict] = []
-
-    class Stamp(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "reward" in logs:
-                steps.append({"t": time.time(), "reward": logs["reward"],
-                              "gen_s": gen_s[-1] if gen_s else 0.0})
-
+    evals: list[dict] = []
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
     tok = AutoTokenizer.from_pretrained(spec["model"])
+    eval_tok = AutoTokenizer.from_pretrained(spec["model"], padding_side="left")
+
+    def held_out(model, step: int) -> None:
+        if spec["eval_rows"] and (step % spec["eval_every"] == 0 or step == spec["steps"]):
+            t0 = time.time()
+            acc = greedy_accuracy(model, eval_tok, spec["eval_rows"], g["new_tokens"], reward_fn)
+            evals.append({"step": step, "t0": t0, "t1": time.time(), "acc": acc})
+
+    class Stamp(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            held_out(model, 0)
+
+        def on_log(self, args, state, control, logs=None, model=None, **kw):
+            if logs and "reward" in logs:
+                steps.append({"t": time.time(), "reward": logs["reward"],
+                              "gen_s": gen_s[-1] if gen_s else 0.0})
+                held_out(model, state.global_step)
+
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    peft = None
+    if g["lora"]["rank"]:
+        from peft import LoraConfig
+        lora = g["lora"]
+        peft = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                          target_modules=lora["target_modules"], task_type="CAUSAL_LM")
     args = GRPOConfig(
         output_dir=spec["out_dir"], per_device_train_batch_size=g["prompts"] * g["samples"],
-        num_generations=g["samples"], max_completion_length=g["new_tokens"], temperature=1.0,
-        top_k=0, top_p=1.0, learning_rate=g["lr"], lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, loss_type="dapo", beta=0.0,
-        entropy_coef=g["entropy_coef"], scale_rewards="group", max_steps=spec["steps"],
-        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, shuffle_dataset=False,
-        seed=spec["seed"], disable_tqdm=True, log_completions=False)
+        num_generations=g["samples"], max_completion_length=g["new_tokens"],
+        temperature=g["temperature"], top_k=0, top_p=1.0, learning_rate=g["lr"],
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=g["weight_decay"],
+        adam_beta1=g["betas"][0], adam_beta2=g["betas"][1], max_grad_norm=g["grad_clip"],
+        loss_type="dapo", beta=g["kl_coef"], entropy_coef=g["entropy_coef"],
+        scale_rewards="group", max_steps=spec["steps"], logging_steps=1, report_to=[],
+        save_strategy="no", use_cpu=True, shuffle_dataset=False, seed=spec["seed"],
+        disable_tqdm=True, log_completions=False, bf16=False, gradient_checkpointing=False)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tok,
-                          train_dataset=Dataset.from_list(rows), callbacks=[Stamp()])
+                          train_dataset=Dataset.from_list(spec["rows"]), callbacks=[Stamp()],
+                          peft_config=peft)
     trainer.train()
-    return {"steps": steps}
+    return {"steps": steps, "evals": evals, **rss.gib()}
 
 
 # --- Molt side ---------------------------------------------------------------------------------
 
 def run_molt(spec: dict) -> dict:
+    import molt_core.trainer as trainer
     from molt_core import hookimpl
     from molt_core.cli import load
-    from molt_core.trainer import train
 
+    rss = PeakRSS()
     steps: list[dict] = []
+    evals: list[dict] = []
+    peak: list[float] = []
 
     class Stamp:
         @hookimpl
         def molt_on_step_end(self, step, metrics):
             steps.append({"t": time.time(), "reward": metrics["reward/mean"],
                           "gen_s": metrics["time/generate_s"]})
+            peak.append(metrics.get("memory/trainer_peak_gib", 0.0))
+
+    evaluate = trainer.evaluate
+
+    def timed(*a, **kw):   # the held-out pass, stamped like TRL's
+        t0 = time.time()
+        out = evaluate(*a, **kw)
+        evals.append({"step": len(steps), "t0": t0, "t1": time.time(),
+                      "acc": out["eval/greedy/pass@1"]})
+        return out
+    trainer.evaluate = timed
 
     cfg, plugins = load(spec["recipe"], spec["overrides"])
     plugins.pm.register(Stamp())
-    train(cfg, plugins, None, progress=False)
-    return {"steps": steps}
+    trainer.train(cfg, plugins, None, progress=False)
+    return {"steps": steps, "evals": evals, "trainer_peak_gib": max(peak), **rss.gib()}
 
 
-# --- driver ------------------------------------------------------------------------------------
+# --- driver (Molt's venv) ----------------------------------------------------------------------
+
+def prompts(plugins, agent_args: dict, tasks: list[int]) -> list[dict]:
+    """The gym env's first messages and answers for `tasks`, as Molt's gym agent builds them."""
+    import asyncio
+    env_cls = plugins.get("env", agent_args["env"])
+    system = agent_args.get("system_prompt")
+    rows = []
+    for task in tasks:
+        env = env_cls(**agent_args.get("env_args", {}))
+        obs = asyncio.run(env.reset(task))
+        answer = env.row["answer"] if hasattr(env, "row") else str(env.a + env.b)
+        rows.append({"prompt": ([{"role": "system", "content": system}] if system else [])
+                     + [{"role": "user", "content": obs}], "answer": answer})
+    return rows
+
+
+def trl_spec(cfg, plugins, reward: str, threads: int, out_dir: str) -> dict:
+    """What the TRL side runs, read from the Molt config both sides share."""
+    from molt_core.eval import EVAL_TASKS
+    alg = cfg.algorithm
+    if (alg.estimator, alg.loss, alg.loss_agg, alg.correction) != ("grpo", "ppo_clip",
+                                                                   "token-mean", "none"):
+        raise SystemExit("vs_trl maps grpo + ppo_clip + token-mean (no correction) onto TRL; "
+                         f"the recipe has {alg.estimator} + {alg.loss} + {alg.loss_agg}")
+    r, t, args = cfg.rollout, cfg.trainer, cfg.agent.args
+    g = {"prompts": r.groups_per_step, "samples": r.group_size,
+         "new_tokens": cfg.sampling.max_new_tokens, "temperature": cfg.sampling.temperature,
+         "lr": t.lr, "weight_decay": t.weight_decay, "betas": t.betas, "grad_clip": t.grad_clip,
+         "entropy_coef": alg.terms.entropy_coef, "kl_coef": alg.terms.kl_coef,
+         "lora": vars(t.lora)}
+    held = {**args, **cfg.eval.agent_args, "env_args": {
+        **args.get("env_args", {}), **cfg.eval.agent_args.get("env_args", {})}}
+    return {"model": str(ROOT / cfg.model.path), "steps": t.steps, "seed": cfg.seed,
+            "threads": threads, "geometry": g, "out_dir": out_dir, "reward": reward,
+            "rows": prompts(plugins, args, [cfg.seed * 1_000_003 + i
+                                            for i in range(t.steps * r.groups_per_step)]),
+            "eval_every": cfg.eval.every, "eval_rows": prompts(plugins, held, [
+                EVAL_TASKS + i for i in range(cfg.eval.prompts)]) if cfg.eval.every else []}
+
 
 def launch(python: str, side: str, spec: dict, tmp: Path) -> dict:
     spec_path, out_path = tmp / f"{side}.spec.json", tmp / f"{side}.out.json"
@@ -158,20 +312,36 @@ def launch(python: str, side: str, spec: dict, tmp: Path) -> dict:
     return out
 
 
-def summary(run: dict, warmup: int, window: int, levels: list[float], tokens: int) -> dict:
+def summary(run: dict, warmup: int, window: int, levels: list[float], acc_levels: list[float],
+            tokens: int) -> dict:
+    evals = run["evals"]
+
+    def clock(t: float) -> float:   # seconds since launch, held-out evaluations left out
+        return t - run["launch"] - sum(e["t1"] - e["t0"] for e in evals if e["t1"] <= t)
+
     s = run["steps"]
-    dts = [b["t"] - a["t"] for a, b in zip(s, s[1:])][warmup:]
+    ts = [clock(x["t"]) for x in s]
+    warmup = min(warmup, len(s) - 2)     # short runs (smoke tests) keep one step
+    dts = [b - a for a, b in zip(ts, ts[1:])][warmup:]
     gens = [x["gen_s"] for x in s[warmup + 1:]]
-    out = {"s to first step done": s[0]["t"] - run["launch"],
-           "step s (median)": statistics.median(dts), "generation s (median)":
-           statistics.median(gens), "tokens/s (sampled, median step)": tokens /
-           statistics.median(dts), "final reward": statistics.mean(
-               x["reward"] for x in s[-window:])}
+    out = {"s to first step done": ts[0], "step s (median)": statistics.median(dts),
+           "generation s (median)": statistics.median(gens),
+           "generation share": sum(gens) / sum(dts),
+           "tokens/s (sampled, median step)": tokens / statistics.median(dts),
+           "final reward": statistics.mean(x["reward"] for x in s[-window:])}
     for lv in levels:
-        hit = next((s[i]["t"] - run["launch"] for i in range(window - 1, len(s))
-                    if statistics.mean(x["reward"] for x in s[i - window + 1:i + 1]) >= lv),
-                   None)
-        out[f"s to reward {lv:g}"] = hit
+        out[f"s to reward {lv:g}"] = next(
+            (ts[i] for i in range(window - 1, len(s))
+             if statistics.mean(x["reward"] for x in s[i - window + 1:i + 1]) >= lv), None)
+    for e in evals:
+        out[f"greedy acc, step {e['step']}"] = e["acc"]
+    for lv in acc_levels if evals else []:
+        hit = next((e for e in evals if e["acc"] >= lv), None)
+        out[f"s to greedy acc {lv:g}"] = clock(hit["t0"]) if hit else None
+        out[f"steps to greedy acc {lv:g}"] = hit["step"] if hit else None
+    out["peak RSS GiB (process tree)"] = run["rss_total_gib"]
+    out["peak RSS GiB (largest process)"] = run["rss_largest_gib"]
+    out["trainer peak GiB (Molt metric)"] = run.get("trainer_peak_gib")
     return out
 
 
@@ -179,15 +349,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", nargs=3, metavar=("SIDE", "SPEC", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--workload", default="addition", choices=sorted(WORKLOADS))
-    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--steps", type=int, default=0, help="0: the recipe's trainer.steps")
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of per-step medians")
     ap.add_argument("--window", type=int, default=10, help="steps in the reward mean")
-    ap.add_argument("--levels", default="0.3,0.5")
-    ap.add_argument("--schemes", default="sync,async")
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--levels", default="0.3,0.5", help="mean reward levels")
+    ap.add_argument("--acc-levels", default="0.3,0.5,0.7", help="held-out greedy accuracy levels")
+    ap.add_argument("--schemes", default="", help="Molt rollout schemes; default: the workload's")
+    ap.add_argument("--seed", type=int, default=None, help="default: the recipe's")
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads of TRL's process "
                     "and of each Molt actor (Molt: ray.num_cpus); 0: each side's default")
     ap.add_argument("--trl-python", default=str(ROOT / ".venv-trl/bin/python"))
+    ap.add_argument("overrides", nargs="*", help="key=value for the recipe (both sides)")
     args = ap.parse_args()
     if args.worker:
         side, spec_path, out_path = args.worker
@@ -197,38 +369,45 @@ def main() -> None:
         return
 
     import tempfile
-    model_dir, recipe, env_args = WORKLOADS[args.workload]
-    if not (ROOT / model_dir / "config.json").exists():
+
+    from molt_core.cli import load
+    w = WORKLOADS[args.workload]
+    common = [*w["overrides"], "check.consistency_every=0",
+              *([f"trainer.steps={args.steps}"] if args.steps else []),
+              *([f"seed={args.seed}"] if args.seed is not None else []),
+              *([f"ray.num_cpus={args.threads}"] if args.threads else []), *args.overrides]
+    if not (ROOT / w["model"] / "config.json").exists():
+        if args.workload != "addition":
+            raise SystemExit(f"{w['model']} is missing: make pretrained")
         from molt_tools.tiny import build_tiny_model
-        build_tiny_model(ROOT / model_dir)
-    g, levels = GEOMETRY, [float(x) for x in args.levels.split(",")]
-    common = [f"model.path={model_dir}", f"seed={args.seed}", f"trainer.steps={args.steps}",
-              f"rollout.groups_per_step={g['prompts']}", f"rollout.group_size={g['samples']}",
-              f"sampling.max_new_tokens={g['new_tokens']}", f"trainer.lr={g['lr']}",
-              f"algorithm.terms.entropy_coef={g['entropy_coef']}", "check.consistency_every=0"] + ([f"ray.num_cpus={args.threads}"] if args.threads else [])
+        build_tiny_model(ROOT / w["model"])
+    cfg, plugins = load(w["recipe"], common)
+    levels = [float(x) for x in args.levels.split(",")]
+    acc_levels = [float(x) for x in args.acc_levels.split(",")]
     scheme_args = {"sync": ["rollout.scheme=sync"],
                    "async": ["rollout.scheme=async", "rollout.max_staleness=1",
                              "algorithm.correction=tis"]}
-    tokens = g["prompts"] * g["samples"] * g["new_tokens"]
+    r = cfg.rollout
+    tokens = r.groups_per_step * r.group_size * cfg.sampling.max_new_tokens
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        trl_spec = {"model": str(ROOT / model_dir), "steps": args.steps, "seed": args.seed,
-                    "threads": args.threads,
-                    "geometry": g, "out_dir": tmp + "/trl",
-                    "tasks": tasks(args.seed, args.steps * g["prompts"], env_args["hi"])}
-        results["trl"] = launch(args.trl_python, "trl", trl_spec, Path(tmp))
-        for scheme in args.schemes.split(","):
-            spec = {"recipe": recipe, "overrides": common + scheme_args[scheme]}
+        spec = trl_spec(cfg, plugins, w["reward"], args.threads, tmp + "/trl")
+        results["trl"] = launch(args.trl_python, "trl", spec, Path(tmp))
+        for scheme in (args.schemes or w["schemes"]).split(","):
+            spec = {"recipe": w["recipe"], "overrides": common + scheme_args[scheme]}
             results[f"molt {scheme}"] = launch(sys.executable, "molt", spec, Path(tmp))
-    rows = {k: summary(v, args.warmup, args.window, levels, tokens) for k, v in results.items()}
-    load = os.getloadavg()
-    print(f"\n{args.workload}: {g['prompts']}x{g['samples']} samples, {g['new_tokens']} new tokens,"
-          f" {args.steps} steps; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    rows = {k: summary(v, args.warmup, args.window, levels, acc_levels, tokens)
+            for k, v in results.items()}
+    load_avg = os.getloadavg()
+    print(f"\n{args.workload}: {r.groups_per_step}x{r.group_size} samples, "
+          f"{cfg.sampling.max_new_tokens} new tokens, lr {cfg.trainer.lr:g}, lora rank "
+          f"{cfg.trainer.lora.rank}, {cfg.trainer.steps} steps; load average "
+          f"{load_avg[0]:.2f} {load_avg[1]:.2f} {load_avg[2]:.2f}")
     names = list(rows)
     print(f"{'':34}" + "".join(f"{n:>14}" for n in names)
           + "".join(f"{n + '/trl':>18}" for n in names[1:]))
     for key in rows["trl"]:
-        vals = [rows[n][key] for n in names]
+        vals = [rows[n].get(key) for n in names]
         cells = "".join(f"{'-' if v is None else f'{v:.3f}':>14}" for v in vals)
         ratios = "".join(f"{'-' if not (v and vals[0]) else f'{v / vals[0]:.2f}':>18}"
                          for v in vals[1:])
