@@ -14,15 +14,16 @@ import os
 import socket
 import tempfile
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import ray
 import structlog
 
 from molt_core.config import Config, ConfigError
+from molt_core.weight_sync import WeightSyncError
 
-__all__ = ["actor_options", "check_resources", "engine_kwargs", "init_ray", "num_threads",
-           "rank_placement", "start"]
+__all__ = ["EngineDiedError", "EngineRestarts", "actor_options", "check_resources",
+           "engine_kwargs", "init_ray", "num_threads", "rank_placement", "spawn_engine", "start"]
 
 log = structlog.get_logger("molt.cluster")
 
@@ -80,6 +81,69 @@ def engine_kwargs(cfg: Config, index: int) -> dict[str, Any]:
         kwargs["engine_kwargs"] = {**kwargs.get("engine_kwargs", {}),
                                    "speculative_config": dict(e.speculative)}
     return kwargs
+
+
+def spawn_engine(cfg: Config, plugins: Any, index: int, suffix: str = "") -> Any:
+    """Engine actor `index` (`suffix` names a replacement of a dead one apart)."""
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    threads = num_threads(cfg, int(min(n.get("CPU", 1) for n in nodes)))[1]
+    return ray.remote(plugins.get("engine", cfg.engine.name)).options(
+        **actor_options(cfg, any(n.get("GPU") for n in nodes))[1],
+        name=f"molt-engine-{index}-{os.getpid()}{suffix}").remote(
+        cfg.model.path, **{"num_threads": threads, **engine_kwargs(cfg, index)})
+
+
+class EngineDiedError(RuntimeError):
+    """An engine actor died and `engine.max_restarts` replacements are used up."""
+
+
+class EngineRestarts:
+    """Replaces dead engine actors (same options), loaded with the trainer's current weights and
+    version (`push(engines)`), `engine.max_restarts` times per run (`faults/engine_restarts`):
+    while the driver waits for rollouts, and when the push after a train step meets one."""
+
+    def __init__(self, cfg: Config, plugins: Any, generator: Any, push: Callable) -> None:
+        self.cfg, self.plugins, self.gen, self.push = cfg, plugins, generator, push
+        self.engines = generator.client.engines        # the run's list: replaced in place
+        generator.revive, generator.client.reissue = self.revive, True
+        generator.counters.setdefault("faults/engine_restarts", 0)
+
+    def revive(self, dead: dict[int, str], push_all: bool = False) -> None:
+        """Replace engines `dead` ({index: cause}), push them (`push_all`: all) the weights."""
+        for i, cause in sorted(dead.items()):
+            n = self.gen.counters["faults/engine_restarts"]
+            if n >= self.cfg.engine.max_restarts:
+                raise EngineDiedError(
+                    f"engine {i} ({self.engines[i]}) died: {cause}; engine.max_restarts={n} "
+                    "replacements are used up: raise it (a resumed run may) or see the engine's "
+                    "log for why it dies")
+            self.gen.counters["faults/engine_restarts"] = n + 1
+            log.warning("engine_restart", engine=i, cause=cause, restarts=n + 1)
+            self.engines[i] = spawn_engine(self.cfg, self.plugins, i, f"-r{n + 1}")
+        ray.get([self.engines[i].get_version.remote() for i in dead],    # loaded: as at start
+                timeout=self.cfg.engine.timeout_s)
+        self.push(self.engines if push_all else [self.engines[i] for i in dead])
+        for i in dead:
+            self.gen.client.dead.pop(i, None)
+        self.gen.release_requests()
+
+    def after_train(self, scheme: Any, step: int) -> int:
+        """`scheme.after_train(step)`; if its push met a dead engine, that one is replaced and the
+        push of `scheme.version` redone to every engine, requests held."""
+        try:
+            return scheme.after_train(step)
+        except (WeightSyncError, ray.exceptions.RayActorError):
+            dead = dict(self.gen.client.dead)
+            for i, e in enumerate(self.engines):
+                try:
+                    ray.get(e.get_version.remote(), timeout=self.cfg.engine.timeout_s)
+                except ray.exceptions.RayActorError as err:
+                    dead[i] = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+            if not dead:
+                raise
+        self.gen.hold_requests()         # released by revive (left held if it fails: run over)
+        self.revive(dead, push_all=True)
+        return scheme.version
 
 
 def _address(loopback: bool) -> tuple[str, int]:
@@ -170,12 +234,9 @@ def start(cfg: Config, plugins: Any, trainer: bool = True) -> Iterator[tuple[Any
         nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
         rank_opts, engine_opts = actor_options(cfg, any(n.get("GPU") for n in nodes))
         check_resources(cfg, rank_opts, engine_opts, nodes)
-        engine_cls = ray.remote(plugins.get("engine", cfg.engine.name))
         backend = plugins.get("trainer_backend", cfg.trainer.backend)
         rank_threads, engine_threads = num_threads(cfg, int(min(n.get("CPU", 1) for n in nodes)))
-        engines = [engine_cls.options(**engine_opts, name=f"molt-engine-{i}-{os.getpid()}").remote(
-                       cfg.model.path, **{"num_threads": engine_threads, **engine_kwargs(cfg, i)})
-                   for i in range(cfg.engine.num_engines)]
+        engines = [spawn_engine(cfg, plugins, i) for i in range(cfg.engine.num_engines)]
         policy = backend(cfg.model.path, cfg.trainer, dtype=cfg.model.dtype, seed=cfg.seed,
                          num_threads=rank_threads, actor_options=rank_opts) if trainer else None
         ray.get([e.get_version.remote() for e in engines], timeout=cfg.engine.timeout_s)

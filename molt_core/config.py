@@ -54,6 +54,7 @@ class EngineConfig:
     num_engines: int = 1                 # engine replicas (Ray actors)
     max_batch_size: int = 256            # requests decoded together in one batch
     timeout_s: float = 300.0             # one generate call
+    max_restarts: int = 3                # engine actors that die are replaced this often per run
     cpus_per_engine: float = 0.0         # 0: do not reserve Ray CPUs (small CPU runs)
     tensor_parallel_size: int = 1        # GPUs one engine shards its model over (vllm)
     gpus_per_engine: float = -1.0        # -1: tensor_parallel_size if the Ray cluster has GPUs
@@ -407,7 +408,8 @@ def validate(cfg: Config) -> None:
         (s.temperature > 0, "sampling.temperature must be > 0 (use a small value for near-greedy)"),
         (0 < s.top_p <= 1, "sampling.top_p must be in (0, 1]"),
         (s.max_new_tokens >= 1, "sampling.max_new_tokens must be >= 1"),
-        (cfg.engine.num_engines >= 1, "engine.num_engines must be >= 1"),
+        (cfg.engine.num_engines >= 1 and cfg.engine.max_restarts >= 0,
+         "engine.num_engines must be >= 1 and engine.max_restarts >= 0"),
         (cfg.model.dtype in ("float32", "bfloat16", "float16"),
          f"model.dtype must be float32, bfloat16 or float16 (got {cfg.model.dtype})"),
         (cfg.log.trajectories_every >= 0 and cfg.log.trajectories_per_step >= 0,

@@ -19,16 +19,18 @@ import sys
 import threading
 import time
 from collections import Counter
+from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+import ray
 import structlog
 
 from molt_core.config import Config
 from molt_core.trajectory import Completion, ImageInput, InvariantError, Trajectory
 
-__all__ = ["EngineClient", "FailureRateError", "Generator", "NonFiniteReward", "RolloutContext",
-           "filter_stale", "version_lag_metrics"]
+__all__ = ["EngineClient", "EngineDied", "FailureRateError", "Generator", "NonFiniteReward",
+           "RolloutContext", "filter_stale", "version_lag_metrics"]
 
 log = structlog.get_logger("molt.generator")
 
@@ -41,10 +43,15 @@ class FailureRateError(RuntimeError):
     """More rollouts failed than `agent.max_failure_rate` allows."""
 
 
+class EngineDied(RuntimeError):
+    """A request's engine died; with `EngineClient.reissue` the request goes out again."""
+
+
 class EngineClient:
     """Sends requests to the engines: requests made within `window_s` of each other travel in
     one `generate_batch` RPC per engine (one Ray call per request costs more than the decode of
-    a tiny model), spread over the engines by outstanding load."""
+    a tiny model), spread over the engines by outstanding load. With `reissue`, an engine that
+    dies goes into `dead` ({index: cause}) and its requests go out again (else they fail)."""
 
     def __init__(self, engines: list[Any], timeout_s: float, window_s: float = 0.002) -> None:
         self.engines = engines
@@ -56,26 +63,32 @@ class EngineClient:
         self._sent: dict[asyncio.Future, tuple[int, str]] = {}   # -> (engine, request id)
         self.aborts: set[asyncio.Task] = set()
         self.active = 0                          # generate calls sent and not yet answered
-        self._gate: asyncio.Event | None = None  # cleared by `hold`: new requests wait
+        self.reissue = False
+        self.dead: dict[int, str] = {}
+        self._held = False                       # by `hold`: new requests wait
+        self._gate: asyncio.Event | None = None  # cleared when held or no engine is alive
         self._busy = [0.0] * len(engines)        # seconds each engine had requests in flight
         self._since = [0.0] * len(engines)
 
     async def generate(self, prompt_ids: list[int], sampling: dict,
                        images: list[ImageInput] | None = None) -> Completion:
-        while self._gate is not None and not self._gate.is_set():
-            await self._gate.wait()
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._pending.append((list(prompt_ids), sampling, list(images or []), fut))
-        if len(self._pending) == 1:
-            loop.call_later(self.window_s, self._flush)
-        self.active += 1
-        try:
-            return await fut
-        finally:
-            self.active -= 1
-            if fut.cancelled() and fut in self._sent:   # the rollout gave up: stop it there too
-                self._abort(*self._sent.pop(fut))
+        while True:
+            while self._gate is not None and not self._gate.is_set():
+                await self._gate.wait()
+            loop = asyncio.get_running_loop()
+            fut = loop.create_future()
+            self._pending.append((list(prompt_ids), sampling, list(images or []), fut))
+            if len(self._pending) == 1:
+                loop.call_later(self.window_s, self._flush)
+            self.active += 1
+            try:
+                return await fut
+            except EngineDied:
+                continue
+            finally:
+                self.active -= 1
+                if fut.cancelled() and fut in self._sent:  # the rollout gave up: stop it there too
+                    self._abort(*self._sent.pop(fut))
 
     def _abort(self, i: int, *request_ids: str) -> None:
         async def abort() -> None:
@@ -90,20 +103,25 @@ class EngineClient:
 
     async def hold(self) -> None:
         """Let requests already sent finish; new ones wait until `release`."""
-        self._gate = self._gate or asyncio.Event()
-        self._gate.clear()
+        self.release(held=True)
         while self.active:
             await asyncio.sleep(0.002)
 
-    def release(self) -> None:
-        if self._gate is not None:
-            self._gate.set()
+    def release(self, held: bool = False) -> None:
+        """Open the gate (`held`: close it); it stays closed while every engine is dead."""
+        self._held = held
+        self._gate = self._gate or asyncio.Event()
+        self._gate.clear() if held or len(self.dead) == len(self.engines) else self._gate.set()
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
         chunks: list[list] = [[] for _ in self.engines]
+        live = [j for j in range(len(self.engines)) if j not in self.dead]
         for req in batch:
-            i = min(range(len(self.engines)), key=lambda j: self.outstanding[j] + len(chunks[j]))
+            if not live:        # every engine died: the request goes out again once one is back
+                req[3].done() or req[3].set_exception(EngineDied("no live engine"))
+                continue
+            i = min(live, key=lambda j: self.outstanding[j] + len(chunks[j]))
             chunks[i].append(req)
         for i, chunk in enumerate(chunks):
             if chunk:
@@ -127,12 +145,13 @@ class EngineClient:
             self._since[i] = time.perf_counter()
         self.outstanding[i] += len(chunk)
         ids = [next(self._ids) for _ in chunk]
+        engine = self.engines[i]
         self._sent.update((fut, (i, rid)) for (*_, fut), rid in zip(chunk, ids))
         try:
             # Images only where some request has them: text-only engines keep their signature.
             images = {"images": [im for _, _, im, _ in chunk]} if any(c[2] for c in chunk) else {}
             # One timeout per RPC, not per request (a wait_for per request costs ~0.1 ms).
-            outs = await asyncio.wait_for(self.engines[i].generate_batch.remote(
+            outs = await asyncio.wait_for(engine.generate_batch.remote(
                 [p for p, _, _, _ in chunk], [s for _, s, _, _ in chunk], **images,
                 request_ids=ids), self.timeout_s)
         except asyncio.TimeoutError:
@@ -140,7 +159,12 @@ class EngineClient:
             outs = [TimeoutError(f"no engine answered a generate call within {self.timeout_s}s "
                                  "(engine.timeout_s)")] * len(chunk)
         except Exception as e:  # the engine died: every request of the chunk fails with it
-            outs = [RuntimeError(f"engine {i} failed: {type(e).__name__}: {e}")] * len(chunk)
+            died = self.reissue and isinstance(e, ray.exceptions.RayActorError)
+            if died and engine is self.engines[i]:      # not yet replaced
+                self.dead[i] = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+                self.release(self._held)
+            outs = [(EngineDied if died else RuntimeError)(
+                f"engine {i} failed: {type(e).__name__}: {e}")] * len(chunk)
         finally:
             self.outstanding[i] -= len(chunk)
             for *_, fut in chunk:
@@ -184,6 +208,7 @@ class Generator:
         self._pool_error: BaseException | None = None
         self._failed_in_a_row = 0
         self._changed: asyncio.Event | None = None
+        self.revive: Callable[[dict[int, str]], None] | None = None   # cluster.EngineRestarts
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
                                         name="molt-generator")
@@ -227,7 +252,14 @@ class Generator:
 
     def generate(self, num_groups: int) -> list[list[Trajectory]]:
         """Blocking: run rollouts until `num_groups` complete groups are collected."""
-        return self.submit(self.collect(num_groups)).result()
+        return self._wait(self.submit(self.collect(num_groups)))
+
+    def _wait(self, fut: futures.Future) -> Any:
+        """`fut`'s result; engines that die meanwhile are replaced here, on the driver's thread."""
+        while not futures.wait([fut], timeout=1.0).done:
+            if self.client.dead and self.revive is not None:
+                self.revive(dict(self.client.dead))
+        return fut.result()
 
     async def collect(self, num_groups: int) -> list[list[Trajectory]]:
         out: list[list[Trajectory]] = []
@@ -251,7 +283,7 @@ class Generator:
 
     def take(self, n: int) -> list[list[Trajectory]]:
         """Blocking: the first `n` finished groups (oldest first); the rest stay in the pool."""
-        return self.submit(self._take(n)).result()
+        return self._wait(self.submit(self._take(n)))
 
     def stop_pool(self) -> None:
         """Start no new groups and wait for the running ones (they stay available to `take`)."""

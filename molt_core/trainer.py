@@ -43,6 +43,8 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
     with cluster.start(cfg, plugins) as (policy, engines):
         generator = Generator(agent, engines, cfg, tokenizer, vocab_size)
         scheme = plugins.get("rollout_scheme", cfg.rollout.scheme)(cfg, generator, policy, engines)
+        restarts = cluster.EngineRestarts(cfg, plugins, generator,      # replaces dead engines
+                                          lambda es: policy.push_weights(es, scheme.version))
         ckpt = Checkpointer(cfg, run_dir, policy, engines, generator, scheme, plugins)
         start, version = ckpt.restore(resume)    # version: the weights being trained
         sink = MetricsSink(run_dir, cfg.trainer.steps, progress,
@@ -83,7 +85,7 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                 t2 = time.perf_counter()
                 metrics.update(rollout_metrics(trajs, rewards, adv, version), **adv_metrics,
                                **generator.counters)
-                version = scheme.after_train(step)
+                version = restarts.after_train(scheme, step)
                 t3 = time.perf_counter()
                 saved.write(step, trajs, policy)
                 if consistency_due(cfg, step) and not metrics.get("mismatch/on_policy_fraction"):

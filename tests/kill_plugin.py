@@ -1,19 +1,35 @@
 """Test plugin (`--plugin kill_plugin`, tests/ on PYTHONPATH): records the task ids each step
-trains, SIGKILLs its own driver at a chosen point (as `kill -9` would), or fills the "disk"."""
+trains, SIGKILLs its own driver or engine 0's process at a chosen point (as `kill -9` would), or
+fills the "disk"."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import sys
 
 from molt_core import hookimpl
 
 _saves = 0
 
 
+def _pid(_actor) -> int:
+    return os.getpid()
+
+
+def _kill_engine(when: str, step: int) -> None:
+    """MOLT_TEST_KILL_ENGINE=WHEN:STEP (WHEN: filter, before the train step; end, after it)."""
+    if os.environ.get("MOLT_TEST_KILL_ENGINE") == f"{when}:{step}":
+        import ray
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        engine = ray.get_actor(f"molt-engine-0-{os.getpid()}")
+        os.kill(ray.get(engine.__ray_call__.remote(_pid), timeout=60), signal.SIGKILL)
+
+
 @hookimpl
 def molt_filter_batch(groups, step):
+    _kill_engine("filter", step)
     path = os.environ.get("MOLT_TEST_TASKS")
     if path:
         with open(path, "a") as f:
@@ -22,6 +38,7 @@ def molt_filter_batch(groups, step):
 
 @hookimpl
 def molt_on_step_end(step):
+    _kill_engine("end", step)
     if step == int(os.environ.get("MOLT_TEST_KILL_AFTER_STEP", -1)):
         os.kill(os.getpid(), signal.SIGKILL)
     if step == int(os.environ.get("MOLT_TEST_DISK_FULL_AT_STEP", -1)):

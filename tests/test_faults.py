@@ -1,5 +1,6 @@
 """Faults a run survives or reports clearly (issue 12): failing rollouts dropped alone,
-BaseException and NaN rewards in envs, the failure-rate abort, SIGTERM, a full disk."""
+BaseException and NaN rewards in envs, the failure-rate abort, a killed engine, SIGTERM, a full
+disk."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import yaml
 
 from molt_core import checkpoint
+from molt_core.cluster import EngineDiedError
 from molt_core.cli import load
 from molt_core.generator import FailureRateError
 from molt_core.trainer import train
@@ -80,6 +82,37 @@ def test_too_many_failures_abort_naming_the_commonest_error(ray_local, tiny_char
         ["trainer.steps=3", "agent.max_failure_rate=0.05"], ["flaky_env"])
     with pytest.raises(FailureRateError, match=r"rollouts failed \(> agent.max_failure_rate=0.05"
                                                r"\); the commonest error \(\d+x\): "):
+        train(cfg, plugins, None, progress=False)
+
+
+@pytest.mark.parametrize("scheme, kill", [("sync", "end:2"), ("async", "filter:2")])
+def test_killed_engine_is_replaced_with_current_weights(ray_local, tiny_chars_dir, tmp_path,
+                                                        monkeypatch, scheme, kill):
+    """kill -9 of the engine's process. sync, between steps: step 3's requests meet the dead
+    engine, are re-issued and wait while the driver starts a new one and pushes it the current
+    weights. async, before a train step: the pool's in-flight requests are re-issued, and the
+    weight push after the step meets the dead engine and is redone with a new one."""
+    monkeypatch.syspath_prepend(str(TESTS))
+    monkeypatch.setenv("MOLT_TEST_KILL_ENGINE", kill)
+    more = ["rollout.scheme=async", "algorithm.correction=tis"] if scheme == "async" else []
+    cfg, plugins = load(_recipe(tmp_path, tiny_chars_dir), [
+        "trainer.steps=6", "check.consistency_every=1", *more], ["kill_plugin"])
+    history = train(cfg, plugins, None, progress=False)    # every step: engine == trainer
+    assert [h["faults/engine_restarts"] for h in history] == [0, 0, 0, 1, 1, 1]
+    assert all(h["mismatch/max_abs"] <= cfg.check.consistency_tol for h in history)
+    assert history[-1].get("rollout/failed", 0) == 0      # no rollout lost: requests re-issued
+    if scheme == "sync":       # the new engine stamps the trainer's version: all on-policy
+        assert all(h["mismatch/on_policy_fraction"] == 1.0 for h in history)
+
+
+def test_engine_deaths_past_max_restarts_stop_the_run(ray_local, tiny_chars_dir, tmp_path,
+                                                      monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+    monkeypatch.setenv("MOLT_TEST_KILL_ENGINE", "end:0")
+    cfg, plugins = load(_recipe(tmp_path, tiny_chars_dir), [
+        "trainer.steps=3", "engine.max_restarts=0"], ["kill_plugin"])
+    with pytest.raises(EngineDiedError, match=r"engine 0 \(.*\) died: ActorDiedError: The actor "
+                                              r"died .*engine.max_restarts=0 replacements"):
         train(cfg, plugins, None, progress=False)
 
 

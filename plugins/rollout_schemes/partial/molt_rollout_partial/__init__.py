@@ -22,8 +22,8 @@ class PartialScheme(AsyncScheme):
     def after_train(self, step: int) -> int:
         self.version += 1
         timeout = self.cfg.trainer.weight_sync_timeout_s
-        ray.get([e.pause.remote() for e in self.engines], timeout=timeout)
-        try:
+        try:       # the pause inside: an engine that died must not leave the others paused
+            ray.get([e.pause.remote() for e in self.engines], timeout=timeout)
             self.push()
         finally:
             ray.get([e.resume.remote() for e in self.engines], timeout=timeout)
