@@ -59,6 +59,19 @@ reward of ~0.27 (learning per step matches); start-up to the first step 3.4x TRL
 Ray, two actor processes importing torch/transformers). 25 steps under load ~9: step 0.59x (sync),
 0.87x (async).
 
+`smollm2`, measured 2026-12-01 (`--workload smollm2 eval.every=5`: 30 steps, 64 held-out problems;
+the shared 2-core box at load average 1.7 before and 2.1 after, up to 4.7 in between from other
+sessions' jobs; 23 minutes for both sides): held-out greedy accuracy TRL 0.14 -> 0.17, 0.20, 0.27,
+0.47, 0.55, 0.53 after 5, 10, ..., 30 steps; Molt 0.14 -> 0.06, 0.14, 0.28, 0.45, 0.45, 0.52 (64
+problems: +-0.06 of noise). Median step 15.4 s (TRL) vs 14.4 s (Molt, 0.93x), generation 38 % vs
+36 % of it; start-up to the first step done 28 s vs 32 s; wall time from launch (evaluations
+excluded) to held-out accuracy 0.3: 521 s vs 370 s (0.71x; both after 20 steps), to 0.5: 596 s (25
+steps) vs 557 s (30 steps) (0.93x); neither reached 0.7; mean reward of the last 10 steps 0.39 vs
+0.44; peak RSS 7.3 GiB (TRL's one process) vs 8.9 GiB (Molt's process tree; its largest process,
+the trainer, 6.4 GiB). Other jobs' load hit both sides at different times (TRL's steps 3-5 took
+34-109 s and 6-10 ~21 s, later ones ~15 s; Molt's steps 12-17 and 21 took 20-54 s): the per-step
+medians are the steadier speed ratio; 30 steps summed 11.1 min (TRL) and 9.1 min (Molt).
+
     python bench/vs_trl.py [--workload addition|smollm2] [--steps N] [--schemes sync,async]
                            [--levels 0.3,0.5] [--acc-levels 0.3,0.5,0.7] [--window 10]
                            [--threads N] [key=value ...]
@@ -333,6 +346,8 @@ def summary(run: dict, warmup: int, window: int, levels: list[float], acc_levels
         out[f"s to reward {lv:g}"] = next(
             (ts[i] for i in range(window - 1, len(s))
              if statistics.mean(x["reward"] for x in s[i - window + 1:i + 1]) >= lv), None)
+    if evals:
+        out["held-out eval s (mean)"] = statistics.mean(e["t1"] - e["t0"] for e in evals)
     for e in evals:
         out[f"greedy acc, step {e['step']}"] = e["acc"]
     for lv in acc_levels if evals else []:
