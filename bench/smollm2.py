@@ -2,7 +2,7 @@
 
     python bench/smollm2.py [--full] [key=value ...]      (make bench-smollm2; needs make pretrained)
 
-LoRA r=16 (lr 1e-4) by default, `--full`: full fine-tuning (lr 1e-5). Prints held-out greedy
+LoRA r=16 (the recipe's lr) by default, `--full`: full fine-tuning (lr 2e-5). Prints held-out greedy
 accuracy at every evaluation, steps and minutes of training (evaluations excluded), the trainer's
 peak memory, the step-time breakdown and the trainer's achieved FLOP/s (6 x params x trained
 tokens per second for full fine-tuning, the forward+backward cost a dense step pays; LoRA's
@@ -41,7 +41,7 @@ def main() -> None:
     full = "--full" in args
     overrides = [a for a in args if a != "--full"]
     if full:
-        overrides = ["trainer.lora.rank=0", "trainer.lr=1e-5", *overrides]
+        overrides = ["trainer.lora.rank=0", "trainer.lr=2e-5", *overrides]
     configure_logging()
     cfg, plugins = load(RECIPE, overrides)
     t0 = time.perf_counter()
