@@ -10,7 +10,7 @@ engine (`hf`; `vllm` where vLLM is importable, i.e. in .venv-vllm):
 The bound is `tensor.copy_` of the same tensors into preallocated ones.
 
     python bench/weight_sync.py [--bucket-mb 128] [--repeats 3] [--engines hf,vllm]
-                                [--modes in-process,ray,broadcast,shm]
+                                [--modes in-process,ray,broadcast,shm] [--engine-threads 1]
 """
 
 from __future__ import annotations
@@ -109,18 +109,19 @@ def engine_cls(name: str) -> type:
     return VLLMEngine
 
 
-def engine_kwargs(name: str) -> dict:
-    return {"dtype": "float32", **({"max_batch_size": 8} if name == "vllm" else {})}
+def engine_kwargs(name: str, threads: int = 1) -> dict:
+    return {"dtype": "float32", "num_threads": threads,
+            **({"max_batch_size": 8} if name == "vllm" else {})}
 
 
 def transports(name: str, path: Path, modes: list[str], bucket_bytes: int, repeats: int,
-               nbytes: int, bound: float) -> None:
+               nbytes: int, bound: float, threads: int) -> None:
     import ray
     ray_modes = [m for m in modes if m in ("ray", "broadcast", "shm")]
     if not ray_modes:
         return
-    engine = ray.remote(engine_cls(name)).options(num_cpus=0).remote(str(path),
-                                                                      **engine_kwargs(name))
+    engine = ray.remote(engine_cls(name)).options(num_cpus=0).remote(
+        str(path), **engine_kwargs(name, threads))
     sender = ray.remote(Sender).options(num_cpus=0).remote(str(path))
     ray.get([engine.get_version.remote(), sender.__ray_ready__.remote()], timeout=600)
     if {"broadcast", "shm"} & set(ray_modes):
@@ -140,8 +141,9 @@ def transports(name: str, path: Path, modes: list[str], bucket_bytes: int, repea
             w, r, ld, tot = ((after[k] - before[k]) / repeats * 1000 for k in
                              ("weight_write_s", "weight_read_s", "weight_load_s",
                               "weight_update_s"))
+            path = after.get("weight_path") or "copy_"
             print(f"    mean per sync in the engine: bucket write {w:.0f} ms, worker map/"
-                  f"receive {r:.0f} ms, load_weights {ld:.0f} ms, rest {tot - w - r - ld:.0f} ms")
+                  f"receive {r:.0f} ms, load ({path}) {ld:.0f} ms, rest {tot - w - r - ld:.0f} ms")
     if name == "vllm":
         ray.get(engine.shutdown.remote(), timeout=120)
     ray.kill(engine)
@@ -154,6 +156,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--engines", default="hf,vllm")
     ap.add_argument("--modes", default="in-process,ray,broadcast,shm")
+    ap.add_argument("--engine-threads", type=int, default=1,
+                    help="the engine's intra-op threads (a `sync` run gives it the node's cores)")
     args = ap.parse_args()
     modes = args.modes.split(",")
     torch.set_num_threads(1)
@@ -178,11 +182,11 @@ def main() -> None:
                 print(f"  {'vllm':<22} skipped: vllm not installed (run in .venv-vllm)")
                 continue
             transports(name, path, modes, int(args.bucket_mb * 2**20), args.repeats, nbytes,
-                       bound)
+                       bound, args.engine_threads)
             if "in-process" not in modes:
                 continue
             t0 = time.perf_counter()
-            engine = engine_cls(name)(str(path), **engine_kwargs(name))
+            engine = engine_cls(name)(str(path), **engine_kwargs(name, args.engine_threads))
             start = time.perf_counter() - t0
             t = asyncio.run(engine_sync(engine, bs, args.repeats, 1))
             print(f"  {name + ' in-process':<22} {t * 1000:8.1f} ms  {nbytes / t / 2**30:6.2f} "
@@ -194,7 +198,7 @@ def main() -> None:
                             ("weight_write_s", "weight_read_s", "weight_load_s"))
                 rest = st["weight_update_s"] / n * 1000 - w - r - ld
                 print(f"    mean per sync: bucket write {w:.0f} ms, worker map {r:.0f} ms, "
-                      f"load_weights {ld:.0f} ms, rest (finish, RPCs) {rest:.0f} ms")
+                      f"load ({st['weight_path']}) {ld:.0f} ms, rest (finish, RPCs) {rest:.0f} ms")
             if hasattr(engine, "shutdown"):
                 engine.shutdown()
             del engine

