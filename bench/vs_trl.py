@@ -50,16 +50,19 @@ Semantic differences that remain:
 - Peak RSS: each side's process tree (Molt: driver, Ray's daemons, trainer and engine actors),
   sampled every second; shared pages count once per process.
 
-`addition`, measured 2026-12-01 with TRL at its defaults (bf16 autocast, gradient checkpointing;
-not re-run since both are off) on the shared 2-core box under load average 17-27 (other sessions'
-jobs), --threads 1, 400 steps: per-step time Molt sync/TRL 0.22 (0.67 s vs 3.06 s), async 0.23;
-generation per step 0.67x; time to a 10-step mean reward of 0.1: 0.50 (sync) and 0.50 (async), of
-0.2: 0.43 and 0.41 (async reached it before sync: 125 s vs 130 s; TRL 303 s); both reach a final
-reward of ~0.27 (learning per step matches); start-up to the first step 3.4x TRL's (60 s vs 18 s:
-Ray, two actor processes importing torch/transformers). 25 steps under load ~9: step 0.59x (sync),
-0.87x (async).
+`addition`, measured 2026-12-01 on a quiet box (load average 1.2-2.1), TRL in fp32, 200 steps,
+`--levels 0.1,0.2,0.3`: median step 0.44 s (TRL), 0.31 s (Molt sync, 0.71x), 0.30 s (Molt async,
+0.69x); generation per step 0.077 s vs 0.124 s (sync, 1.6x: Molt's decode loop is slower than HF
+`generate` here; TRL trains slower); start-up to the first step done 5.6 s vs 11.6 s (sync) and
+12.6 s (async), 2.1-2.2x (Ray, two actor processes importing torch/transformers); wall time from
+launch to a 10-step mean reward of 0.1: 29.5 s vs 32.7 s (1.11x) and 29.7 s (1.00x), of 0.2:
+42.3 s vs 42.5 s (1.01x) and 39.9 s (0.94x); final reward 0.25 on all three (learning per step
+matches). Time to reward is start-up plus ~90 steps here, so Molt's doubled start-up eats its faster
+steps. (An earlier run had TRL at its defaults, bf16 autocast and gradient checkpointing, under load
+17-27: TRL 3.06 s per step, Molt 0.22x; that compared TRL's slow CPU bf16 path, not matched fp32.)
 
-`smollm2`, measured 2026-12-01 (`--workload smollm2 eval.every=5`: 30 steps, 64 held-out problems;
+`smollm2` (before the recipe moved to additions and multiplications with operands 2-9 and lr 3e-4:
+this run used additions and subtractions with operands 2-30, lr 1e-4), measured 2026-12-01 (`--workload smollm2 eval.every=5`: 30 steps, 64 held-out problems;
 the shared 2-core box at load average 1.7 before and 2.1 after, up to 4.7 in between from other
 sessions' jobs; 23 minutes for both sides): held-out greedy accuracy TRL 0.14 -> 0.17, 0.20, 0.27,
 0.47, 0.55, 0.53 after 5, 10, ..., 30 steps; Molt 0.14 -> 0.06, 0.14, 0.28, 0.45, 0.45, 0.52 (64
