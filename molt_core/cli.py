@@ -12,7 +12,7 @@ import difflib
 import importlib
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from molt_core.config import Config, ConfigError, load_config, to_dict
 from molt_core.metrics import RunDirError

@@ -134,6 +134,16 @@ async def started() -> ChatServer:
     return server
 
 
+async def both_sdks(model_dir, openai_side, anthropic_side) -> tuple[list, list]:
+    """The OpenAI and the Anthropic conversation at once, each on its own Recorder of one engine."""
+    server = await started()
+    engine = HFEngine(str(model_dir))
+    recs = [Recorder(engine), Recorder(engine)]
+    trajs = await asyncio.gather(openai_side(server, recs[0]), anthropic_side(server, recs[1]))
+    await server.close()
+    return trajs, recs
+
+
 def render(tok, messages, tools=None) -> str:
     return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
 
@@ -297,15 +307,7 @@ def test_tool_calls_round_trip_both_sdks(tool_model_dir, tok):
         await client.close()
         return server.close_session(s)
 
-    async def main():
-        server = await started()
-        engine = HFEngine(str(tool_model_dir))
-        recs = [Recorder(engine), Recorder(engine)]
-        trajs = await asyncio.gather(openai_side(server, recs[0]), anthropic_side(server, recs[1]))
-        await server.close()
-        return trajs, recs
-
-    trajs, recs = run(main())
+    trajs, recs = run(both_sdks(tool_model_dir, openai_side, anthropic_side))
     for traj, rec in zip(trajs, recs):
         assert traj.segments == [0], "the echoed tool call re-renders exactly as sampled"
         assert decode(tok, rec.calls[0][1].token_ids) == CALL + "<|im_end|>"
@@ -371,15 +373,7 @@ def test_streaming_tool_calls_both_sdks(tool_model_dir, tok):
         await client.close()
         return server.close_session(s)
 
-    async def main():
-        server = await started()
-        engine = HFEngine(str(tool_model_dir))
-        recs = [Recorder(engine), Recorder(engine)]
-        trajs = await asyncio.gather(openai_side(server, recs[0]), anthropic_side(server, recs[1]))
-        await server.close()
-        return trajs, recs
-
-    trajs, recs = run(main())
+    trajs, recs = run(both_sdks(tool_model_dir, openai_side, anthropic_side))
     for traj, rec in zip(trajs, recs):
         assert traj.segments == [0] and len(rec.calls) == 2
         parts = runs(traj)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import yaml
 
 from molt_core.cli import load, main
 from molt_core.config import Config, to_dict

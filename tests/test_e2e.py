@@ -18,8 +18,9 @@ from molt_core.generator import RolloutContext
 from molt_core.plugins import build_plugins
 from molt_core.policy import Policy
 from molt_core.trainer import ForwardConsistencyError, check_consistency
-from molt_core.trajectory import collate
 from molt_grpo import ppo_clip_loss
+
+import common
 
 SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
             "repetition_penalty": 1.0, "max_new_tokens": 6}
@@ -27,17 +28,8 @@ SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
 
 def sample_batch(engine, tok, n: int = 12):
     """Sample n completions from the engine actor and collate them with random advantages."""
-    from molt_core.trajectory import Trajectory
     prompts = [tok(f"after {c}", add_special_tokens=False).input_ids for c in "abcdefghijkl"[:n]]
-    outs = ray.get([engine.generate.remote(p, SAMPLING) for p in prompts], timeout=120)
-    trajs = []
-    for p, c in zip(prompts, outs):
-        t = Trajectory()
-        t.add_prompt(p)
-        t.add_completion(c)
-        trajs.append(t)
-    adv = torch.randn(n)
-    return trajs, collate(trajs, [[float(a)] * len(t) for a, t in zip(adv, trajs)])
+    return common.sample_batch(engine, prompts, SAMPLING, torch.randn(n))[1:]
 
 
 def test_engine_matches_trainer_after_weight_sync(ray_local, tiny_model_dir):

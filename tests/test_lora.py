@@ -13,9 +13,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from molt_core.config import LoraConfig, TrainerConfig
 from molt_core.engines.hf import HFEngine
 from molt_core.policy import Policy
-from molt_core.trajectory import Trajectory, collate
 from molt_tools.export import export_lora
 from molt_grpo import ppo_clip_loss
+
+from common import reference_logprobs
+from common import sample_batch as sample
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -25,24 +27,7 @@ SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
 
 def sample_batch(engine, tok, n: int = 8):
     prompts = [tok(f"after {c}", add_special_tokens=False).input_ids for c in "abcdefgh"[:n]]
-    outs = ray.get([engine.generate.remote(p, SAMPLING) for p in prompts], timeout=120)
-    trajs = []
-    for p, c in zip(prompts, outs):
-        trajs.append(Trajectory())
-        trajs[-1].add_prompt(p)
-        trajs[-1].add_completion(c)
-    adv = torch.randn(n)
-    return trajs, collate(trajs, [[float(a)] * len(t) for a, t in zip(adv, trajs)])
-
-
-def reference_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Plain full-vocab forward of an unsharded model: [B, T], 0 where not trainable."""
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    lp = logits[:, :-1].log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
-    out = torch.zeros(batch["input_ids"].shape)
-    out[:, 1:] = lp
-    return out * batch["loss_mask"]
+    return sample(engine, prompts, SAMPLING, torch.randn(n))[1:]
 
 
 def _optimizer_state(worker) -> tuple[int, int]:

@@ -9,7 +9,6 @@ import time
 import pytest
 import ray
 import torch
-import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from molt_core.cli import load

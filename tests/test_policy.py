@@ -20,6 +20,8 @@ from molt_core.policy import Policy
 from molt_core.trainer import ForwardConsistencyError, check_consistency
 from molt_grpo import ppo_clip_loss
 
+from common import reference_logprobs
+
 # Workers cannot import this test module: ship its functions (the loss) by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -38,16 +40,6 @@ def ppo_clip(logprobs, behavior_logprobs, advantages, mask, clip: float = 0.2):
     per_token = -torch.minimum(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages)
     return per_token, {"clipfrac": ((ratio - 1).abs() > clip).float(),
                        "ratio_mean": masked_mean(ratio.detach(), mask)}
-
-
-def reference_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Plain full-vocab forward of an unsharded HF model: [B, T], 0 where not trainable."""
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    lp = logits[:, :-1].log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
-    out = torch.zeros(batch["input_ids"].shape)
-    out[:, 1:] = lp
-    return out * batch["loss_mask"]
 
 
 def make_batch(model_path: str, B: int = B_ROWS, T: int = 20, seed: int = 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
@@ -16,21 +15,9 @@ from molt_core import hookimpl
 from molt_core.cli import load
 from molt_core.trainer import train
 from molt_core.trajectory_store import read_trajectories
+from test_chat_server import THINK_TEMPLATE   # earlier turns re-render without `<think>`
 
 ROOT = Path(__file__).parents[1]
-
-# Reasoning-style template: earlier assistant turns re-render without their `<think>` part, so
-# the second model call starts a new segment.
-THINK = """\
-{%- for message in messages %}
-{%- if message.role == 'assistant' %}
-{{- '<|im_start|>assistant\\n' + message.content.split('</think>')[-1] + '<|im_end|>\\n' }}
-{%- else %}
-{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}
-"""
 
 
 # A chat agent plugin, as a module (chat agent names are checked when the config loads).
@@ -132,7 +119,7 @@ def test_multi_segment_chat_run_saves_what_was_trained(ray_local, tiny_model_dir
     model = tmp_path / "think"
     shutil.copytree(tiny_model_dir, model)
     tok = AutoTokenizer.from_pretrained(model)
-    tok.chat_template = THINK
+    tok.chat_template = THINK_TEMPLATE
     tok.save_pretrained(model)
     steps, run_dir, tok = run("recipes/cpu/chat_calculator.yaml", model, tmp_path,
                               "agent.args={agent: two_turns}", "sampling.max_new_tokens=4",

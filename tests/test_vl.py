@@ -177,6 +177,17 @@ def _image_message(rgb, text: str) -> dict:
                                         {"type": "text", "text": text}]}
 
 
+def recording(engine):
+    """A generate function over `engine` that records (number of images, sampled ids) per call."""
+    calls = []
+
+    async def generate(prompt_ids, sampling, images=None):
+        c = await engine.generate(prompt_ids, sampling, images)
+        calls.append((len(images or []), c.token_ids))
+        return c
+    return calls, generate
+
+
 def test_openai_sdk_image_url_data_uris_in_two_turns(tiny_vl_dir, tok, engine):
     """The real openai SDK sends images as data URIs in two turns: they ride with the
     trajectory, the replies are the engine's tokens, and the trainer's log-probs match."""
@@ -184,12 +195,7 @@ def test_openai_sdk_image_url_data_uris_in_two_turns(tiny_vl_dir, tok, engine):
 
     from molt_core.chat_server import ChatServer
 
-    calls = []
-
-    async def generate(prompt_ids, sampling, images=None):
-        c = await engine.generate(prompt_ids, sampling, images)
-        calls.append((len(images or []), c.token_ids))
-        return c
+    calls, generate = recording(engine)
 
     async def main():
         server = ChatServer()
@@ -273,12 +279,7 @@ def test_anthropic_sdk_base64_image_block(tiny_vl_dir, tok, engine):
 
     from molt_core.chat_server import ChatServer
 
-    calls = []
-
-    async def generate(prompt_ids, sampling, images=None):
-        c = await engine.generate(prompt_ids, sampling, images)
-        calls.append((len(images or []), c.token_ids))
-        return c
+    calls, generate = recording(engine)
 
     async def main():
         server = ChatServer()
