@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import itertools
+import logging
 import math
 import os
 import time
@@ -321,6 +322,10 @@ class VLLMEngine:
         # "auto" (one NUMA node per rank, pinned).
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ["OMP_NUM_THREADS"] = str(num_threads)   # Ray presets it (1 at num_cpus=0)
+        # vLLM logs INFO lines at every weight sync (pause state, prefix cache): warnings only,
+        # here and in its engine-core process (`VLLM_LOGGING_LEVEL=INFO` brings them back)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
         config = AutoConfig.from_pretrained(model_path).get_text_config()
         self.model_path = model_path
         self.max_positions: int = max_model_len or config.max_position_embeddings
