@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import ray
 import torch
+import yaml
 
 from molt_core.trajectory import Completion, Trajectory, collate
 
@@ -30,3 +33,16 @@ def reference_logprobs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     out = torch.zeros(batch["input_ids"].shape)
     out[:, 1:] = lp
     return out * batch["loss_mask"]
+
+
+def toy_recipe(tmp_path: Path, model: Path, **sections) -> str:
+    """recipes/cpu/next_letter.yaml on `model` with 4x4 rollouts per step, written to tmp_path;
+    `sections` update the recipe's (a dict) or set a top-level key."""
+    data = yaml.safe_load(open(Path(__file__).parents[1] / "recipes/cpu/next_letter.yaml"))
+    data["model"]["path"] = str(model)
+    data["rollout"].update(groups_per_step=4, group_size=4)
+    for k, v in sections.items():
+        data.setdefault(k, {}).update(v) if isinstance(v, dict) else data.__setitem__(k, v)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from molt_core import checkpoint
 from molt_core.cluster import EngineDiedError
@@ -22,19 +21,13 @@ from molt_core.cli import load
 from molt_core.generator import FailureRateError
 from molt_core.trainer import train
 
+from common import toy_recipe
+
 TESTS = Path(__file__).parent
 
 
 def _recipe(tmp_path: Path, model: Path, **sections) -> str:
-    data = yaml.safe_load(open(TESTS.parent / "recipes/cpu/next_letter.yaml"))
-    data["model"]["path"] = str(model)
-    data["out_dir"] = str(tmp_path / "runs")
-    data["rollout"].update(groups_per_step=4, group_size=4)
-    for k, v in sections.items():
-        data.setdefault(k, {}).update(v)
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return str(path)
+    return toy_recipe(tmp_path, model, out_dir=str(tmp_path / "runs"), **sections)
 
 
 def _popen(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:

