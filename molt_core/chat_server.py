@@ -298,16 +298,12 @@ async def _read_body(request: Any, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-class _Uvicorn:
+class _Uvicorn(uvicorn.Server):
     """uvicorn.Server that leaves signal handling to the host process."""
 
-    def __new__(cls, config: Any) -> Any:
-        class Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self):  # type: ignore[override]
-                yield
-
-        return Server(config)
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
 
 
 class ChatServer:

@@ -7,7 +7,8 @@ import argparse
 import dataclasses
 import inspect
 import re
-from typing import Any
+import typing
+from typing import Any, Literal
 
 import yaml
 
@@ -47,6 +48,7 @@ def _scalar(value: Any) -> str:
 def render(obj: Any, indent: int = 0) -> list[str]:
     """YAML lines of a config dataclass with `# doc` comments."""
     docs, out = field_docs(type(obj)), []
+    hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value, pad = getattr(obj, f.name), "  " * indent
         if dataclasses.is_dataclass(value):
@@ -58,6 +60,9 @@ def render(obj: Any, indent: int = 0) -> list[str]:
         else:
             line = f"{pad}{f.name}: {_scalar(value)}"
             doc = docs.get(f.name)
+            if typing.get_origin(hints.get(f.name)) is Literal:
+                doc = f"{' | '.join(map(str, typing.get_args(hints[f.name])))}" + (
+                    f": {doc}" if doc else "")
             out.append(f"{line:<44}  # {doc}" if doc else line)
     return out
 

@@ -53,7 +53,7 @@ def test_exponent_floats_without_a_dot(recipe, tmp_path):
     ({"model__path": ""}, None, "model.path is missing"),
     ({}, "algorithm.loss_args.clip_lo=0.1", "does not accept clip_lo; it accepts: clip_high, clip_low"),
     ({}, "algorithm.estimator=nope", "unknown estimator 'nope'; valid: dapo, dr_grpo, grpo"),
-    ({}, "algorithm.terms.kl_in=rewards", "algorithm.terms.kl_in 'rewards' unknown; valid: loss"),
+    ({}, "algorithm.terms.kl_in=rewards", "config key 'algorithm.terms.kl_in' must be one of loss, reward, got 'rewards'"),
     ({}, "algorithm.terms.entropy_coef=-0.1", "algorithm.terms.entropy_coef must be >= 0"),
 ])
 def test_bad_config_is_one_clear_error_and_starts_nothing(recipe, capsys, monkeypatch, change,

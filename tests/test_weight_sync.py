@@ -242,7 +242,7 @@ def test_config_transport_checks(tiny_model_dir):
     from molt_core.config import ConfigError, load_config
     base = [f"model.path={tiny_model_dir}"]
     assert load_config(None, base).trainer.weight_sync_transport == "broadcast"
-    with pytest.raises(ConfigError, match="weight_sync_transport 'nccl' unknown; valid: ray"):
+    with pytest.raises(ConfigError, match="weight_sync_transport. must be one of broadcast, ray, shm, got .nccl."):
         load_config(None, [*base, "trainer.weight_sync_transport=nccl"])
     with pytest.raises(ConfigError, match="separate GPUs.*set trainer.weight_sync_transport=ray"):
         load_config(None, [*base, "engine.gpus_per_engine=0.5", "trainer.gpus_per_rank=0.5"])
