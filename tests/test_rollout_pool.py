@@ -1,8 +1,11 @@
 """Rollout defects seen on real runs, each checked on the real streaming pool and engine: DAPO's
 refill asking for more groups than the pool holds, the async staleness default, abandoned
-requests that kept decoding on the engine, and sampling the trainer cannot reproduce."""
+requests (pool cancellation, agent and engine timeouts) that kept decoding on the engine, and
+sampling the trainer cannot reproduce."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import ray
@@ -136,4 +139,45 @@ def test_cancelled_requests_stop_decoding_on_the_engine(ray_local, tiny_model_di
         assert before["tokens_generated"] < 4 * 480
     finally:
         gen.close()
+        ray.kill(engine)
+
+
+@pytest.mark.timeout(600)       # a hang guard only: the engine is paused, so the timeouts fire
+def test_timed_out_requests_are_aborted_on_the_engine(ray_local, tiny_model_dir):
+    """agent.timeout_s (the rollout's task is cancelled) and engine.timeout_s (the generate RPC
+    is given up): the engine drops those requests, it does not decode them once it resumes."""
+    path = str(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(path)
+    engine = ray.remote(HFEngine).options(num_cpus=0).remote(path, seed=0)
+    prompt = tok("after c", add_special_tokens=False).input_ids
+
+    async def give_up(gen: Generator):
+        out = await gen.run_group(0)
+        while gen.client.active:                 # the cancelled rollouts are still unwinding
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*gen.client.aborts, return_exceptions=True)
+        return out
+
+    try:
+        for kind, reason in (("agent", "agent_timeout"), ("engine", "agent_error")):
+            cfg = load(None, [f"model.path={path}", ENV, "rollout.group_size=2",
+                              "sampling.max_new_tokens=480", f"{kind}.timeout_s=3"])[0]
+            gen = Generator(Agent(tok), [engine], cfg, tok, len(tok))
+            try:
+                ray.get(engine.pause.remote())           # nothing decodes: the timeout fires
+                before = ray.get(engine.stats.remote())
+                assert gen.submit(give_up(gen)).result(timeout=300) is None
+                assert gen.counters[f"rollout/dropped/{reason}"] >= 1, gen.counters
+                held = ray.get(engine.stats.remote())
+                assert held["batches"] >= before["batches"] + 1     # the engine had them
+                ray.get(engine.resume.remote())
+                fresh = ray.get(engine.generate.remote(prompt, {**cfg.sampling.__dict__,
+                                                                "max_new_tokens": 3,
+                                                                "stop_token_ids": []}))
+                after = ray.get(engine.stats.remote())   # the fresh request ran after them
+                assert len(fresh.token_ids) == 3
+                assert after["tokens_generated"] == before["tokens_generated"] + 3, kind
+            finally:
+                gen.close()
+    finally:
         ray.kill(engine)
