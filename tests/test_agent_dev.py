@@ -26,7 +26,7 @@ def test_rollout_saves_training_format_and_prints_rewards(ray_local, tiny_recipe
     assert printed.count("⟦") >= 3 and "mean reward" in printed
 
 
-def test_serve_answers_sdks_and_saves_the_trajectory(ray_local, tiny_recipe, tmp_path):
+def test_serve_answers_sdks_and_saves_the_trajectory(ray_local, tiny_recipe, tmp_path, capsys):
     args = parse(["serve", tiny_recipe, f"out_dir={tmp_path}"])
     got: dict = {}
     ready, stop = threading.Event(), threading.Event()
@@ -50,6 +50,9 @@ def test_serve_answers_sdks_and_saves_the_trajectory(ray_local, tiny_recipe, tmp
         stop.set()
         t.join(120)
     assert result == [0]
+    printed = capsys.readouterr().out       # what the developer copies into the agent
+    for key in ("openai_base_url", "anthropic_base_url", "api_key"):
+        assert got[key] in printed, key
     (row,) = read_trajectories(got["run_dir"])
     assert sum(row["loss_mask"]) == n
     assert row["behavior_logprobs"][-n:] == [e.logprob for e in r.choices[0].logprobs.content]

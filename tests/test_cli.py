@@ -132,6 +132,14 @@ def test_bad_input_is_one_line_exit_2_and_no_run_dir(capsys, bad_inputs, tiny_re
     assert expect in _one_line_error(capsys, argv, out_dir)
 
 
+
+def test_chat_agent_args_are_checked_at_validate(capsys, tiny_model_dir, tmp_path):
+    out_dir = tmp_path / "runs"
+    argv = ["run", str(ROOT / "recipes/cpu/chat_calculator.yaml"), f"model.path={tiny_model_dir}",
+            f"out_dir={out_dir}", "agent.args.agent_args.lo=abc", "--no-progress"]
+    assert ("agent.args.agent_args.lo: chat_agent 'calculator' (plugin chat) expects int, got "
+            "'abc'") in _one_line_error(capsys, argv, out_dir)
+
 def test_misspelled_hook_names_only_real_hooks_and_the_closest(tmp_path, monkeypatch):
     from molt_core.plugins import PluginError, build_plugins
     monkeypatch.syspath_prepend(str(tmp_path))
