@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from molt_core.cli import load
-from molt_core.testing import fake_groups, run_step
+from molt_core.testing import fake_groups, fake_trajectory, run_step
+from molt_core.trajectory import Completion
 
 # A third-party plugin as an author writes it: a length-penalised GRPO advantage and a PPO-clip
 # loss that reports what it was given (metrics come back from the trainer ranks).
@@ -77,6 +78,31 @@ def test_testing_helpers_run_estimator_and_loss_through_the_real_path(lenpen):
     mask = out.batch["loss_mask"]
     assert torch.allclose(out.grad[mask], -out.batch["advantages"][mask] / mask.sum())
 
+
+
+def test_estimators_get_each_rollouts_lengths_tokens_truncation_and_info():
+    """`rollouts` in batch order: sampled tokens, all tokens (prompt and env replies too), whether
+    a completion hit max_new_tokens, and the trajectory's info."""
+    from molt_grpo import ppo_clip_loss
+    seen = []
+
+    def record(rewards, group_index, *, rollouts):
+        seen.append(rollouts)
+        return torch.zeros_like(rewards)
+
+    two_turns = fake_trajectory(1.0, 2, group_id=1, info={"k": 2})
+    two_turns.add_prompt([5, 6, 7])                         # an env reply: not sampled
+    two_turns.add_completion(Completion([11, 12, 13], [-1.0] * 3, [0] * 3, "length"))
+    groups = [[fake_trajectory(0.0, 4, truncated=True, info={"k": 1}),
+               fake_trajectory(1.0, 1, rollout_id=1)],
+              [two_turns, fake_trajectory(0.0, 3, group_id=1, rollout_id=1)]]
+    run_step(record, ppo_clip_loss, groups)
+    (r,) = seen
+    assert r.lengths.tolist() == [4, 1, 5, 3]
+    assert r.tokens.tolist() == [7, 4, 11, 6]               # 3 prompt tokens each
+    assert r.truncated.tolist() == [True, False, True, False]
+    assert [i.get("k") for i in r.info] == [1, None, 2, None]
+    assert r.trajectories[2] is two_turns
 
 def test_reserved_inputs_are_not_recipe_args(lenpen, tiny_recipe):
     cfg, plugins = load(tiny_recipe, ["algorithm.estimator=short_grpo", "algorithm.loss=seen_loss",
