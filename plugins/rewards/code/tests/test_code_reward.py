@@ -85,8 +85,9 @@ def test_tests_are_reported_one_by_one():
                     reason="no process-count limit here (needs root: cgroups or RLIMIT_NPROC)")
 def test_fork_storm_is_contained():
     code = "import os\nwhile True:\n    os.fork()"
-    reward, info = code_reward(code, "assert True", timeout_s=3.0, max_processes=8)
-    assert reward == 0.0 and info["reason"] in ("process_limit", "failed", "timeout"), info
+    # the limit stops it (fork fails) in well under a second; the timeout is only a backstop
+    reward, info = code_reward(code, "assert True", timeout_s=20.0, max_processes=8)
+    assert reward == 0.0 and info["reason"] == "process_limit", info
 
 
 @pytest.mark.skipif("cgroup" not in isolation(), reason="needs cgroup v1 memory (root)")
