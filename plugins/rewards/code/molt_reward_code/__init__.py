@@ -18,11 +18,11 @@ Results: a harness runs the code, then the tests statement by statement, and rep
 it inherits (with a nonce read from another pipe); the reward is 1.0 only if it reported
 completing every test. Exiting early (`sys.exit(0)`, `os._exit(0)`) or killing itself is a failure.
 
-Not protected against: a program that searches the harness's own memory for the nonce (it shares
-the interpreter) could forge a pass; without root, the filesystem and uid layers are missing
-(the program can read and write what the caller's user can, and RLIMIT_NPROC is not set), and
-without cgroups memory is bounded per process only (processes x `memory_mb`). Files outside the
-home directories (e.g. /etc) stay readable. Not a boundary against kernel exploits.
+Not protected against: a program that reads the nonce from the harness's frames or memory (they
+share the interpreter: `sys._getframe(1).f_locals`, gc) could forge a pass; without root, the
+filesystem and uid layers are missing (the program can read and write what the caller's user can,
+RLIMIT_NPROC is unset), and without cgroups memory is bounded per process only (processes x
+`memory_mb`). Files outside the home directories (e.g. /etc) stay readable. No kernel-exploit guard.
 """
 
 from __future__ import annotations
@@ -107,32 +107,32 @@ if cfg["uid"] is not None:
 os.execv(cfg["python"], [cfg["python"], "-I", "-B", "harness.py", *cfg["fds"]])
 """
 
-# The program's interpreter: the code, then the tests one statement at a time, reported over
-# a pipe only by this process (not by forked children).
+# The program's interpreter: the code, then the tests one statement at a time, reported over a
+# pipe by this process only; what runs after the code is bound first (the code may patch builtins).
 _HARNESS = """
-import ast, os, sys, traceback
-def main():
+import ast, os, sys
+def main(run=exec, items=enumerate, write=os.write, pid=os.getpid):
     out, nonce_fd = (int(a) for a in sys.argv[1:3])
     nonce = os.read(nonce_fd, 64).decode()
     os.close(nonce_fd)
-    me = os.getpid()
+    me = pid()
     def report(msg):
-        if os.getpid() == me:
-            os.write(out, f"{nonce} {msg}\\n".encode())
+        if pid() == me:
+            write(out, f"{nonce} {msg}\\n".encode())
+    tests = [compile(ast.Module([stmt], []), "tests.py", "exec")
+             for stmt in ast.parse(open("tests.py").read()).body]
     ns = {"__name__": "__main__"}
     try:
-        exec(compile(open("solution.py").read(), "solution.py", "exec"), ns)
-        tests = ast.parse(open("tests.py").read()).body
-        for i, stmt in enumerate(tests):
-            exec(compile(ast.Module([stmt], []), "tests.py", "exec"), ns)
+        run(compile(open("solution.py").read(), "solution.py", "exec"), ns)
+        for i, test in items(tests):
+            run(test, ns)
             report(f"ok {i}")
     except SystemExit:
         report("exit")
         raise
     except BaseException:
-        traceback.print_exc()
         report("error")
-        sys.exit(1)
+        raise           # whatever is raised here ends main before "done"
     report(f"done {len(tests)}")
 main()
 """

@@ -76,6 +76,18 @@ def test_exiting_before_the_tests_scores_zero(exit_):
     assert info["reason"] in ("early_exit", "killed_by_signal"), info
 
 
+
+@pytest.mark.parametrize("patch", [
+    "import builtins\nbuiltins.exec = lambda *a, **k: None",          # the tests never run
+    "import builtins\nbuiltins.enumerate = lambda x: iter(())",       # the test loop is empty
+    "import sys\nsys.exit = lambda *a: None",                         # the failure falls through
+    "import os\nw = os.write\nos.write = lambda fd, b: w(fd, b.replace(b' error', b' done 1'))",
+])
+def test_patching_what_the_harness_calls_scores_zero(patch):
+    reward, info = code_reward(patch, "assert False")
+    assert reward == 0.0 and info["tests_passed"] == 0 and info["reason"] == "failed", info
+    assert info["error"] == "AssertionError"
+
 def test_tests_are_reported_one_by_one():
     reward, info = code_reward(ADD, "assert add(1, 1) == 2\nassert add(1, 2) == 3\nassert False")
     assert reward == 0.0 and info["tests_passed"] == 2 and info["reason"] == "failed"
