@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+import structlog
+
 from molt_core.config import Config, ConfigError, load_config, to_dict
 from molt_core.metrics import RunDirError
 from molt_core.plugins import KINDS, PluginError, Plugins, build_plugins
@@ -78,6 +80,12 @@ def check_against_plugins(cfg: Config, plugins: Plugins) -> None:
     plugins.check_args("algorithm.loss_args", "loss", a.loss, a.loss_args)
     plugins.check_args("agent.args", "agent", cfg.agent.name, cfg.agent.args)
     plugins.check_args("engine.args", "engine", cfg.engine.name, cfg.engine.args)
+    clip = sorted(k for k in a.loss_args if "clip" in k)
+    if clip and a.correction != "none" and cfg.trainer.mini_batches * cfg.trainer.epochs == 1:
+        structlog.get_logger("molt").warning(
+            f"algorithm.loss_args {clip} do not act: under algorithm.correction={a.correction} "
+            "the loss's ratio is pi_theta/pi_prox, which is 1 with one optimizer step per batch; "
+            "set trainer.mini_batches > 1 for a trust region")
 
 
 def _validate(args: argparse.Namespace) -> int:

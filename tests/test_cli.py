@@ -189,3 +189,13 @@ def test_trace_shows_registration_pipeline_and_registry_calls(monkeypatch, capsy
     assert "molt trace: estimator 'grpo' (plugin grpo)([2], [2])" in err
     assert "molt trace: hook molt_on_step_end (plugin" in err and "step=3" in err
     assert "molt trace: hook molt_filter_batch (plugin dapo)(groups=[], step=3" in err
+
+
+@pytest.mark.parametrize("steps, inert", [("trainer.mini_batches=1", True),
+                                          ("trainer.mini_batches=2", False)])
+def test_clip_args_that_cannot_act_are_named(capsys, tiny_recipe, steps, inert):
+    """Under a correction the loss clips pi_theta/pi_prox, which is 1 with one step per batch."""
+    assert main(["validate", tiny_recipe, "algorithm.correction=tis",
+                 "algorithm.loss_args={clip_low: 0.1}", steps]) == 0
+    err = capsys.readouterr().err
+    assert ("['clip_low'] do not act" in err) == inert, err

@@ -2,11 +2,12 @@
 
 recipes/cpu/reverse.yaml: "bdca=" -> "acdb", a 4-letter answer whose reward counts every letter
 (per position 1 if right, 0.1 for another letter), so sequence- and token-level quantities
-differ (GSPO's sequence ratio is not a token ratio). A random init starts near 0.07; END = 0.2
-needs a letter at every answer position in nearly every answer (random letters give 0.21).
-Placing letters right then varies by run: measured (2 busy cores, 300 steps, sync) grpo
-0.07 -> 0.62-0.72, dapo 0.65, cispo 0.71, rloo 0.54, dr_grpo 0.43, ppo 0.41, reinforce_pp
-0.24-0.39, gspo 0.29-0.30, so the bound is set below the slowest run seen.
+differ (GSPO's sequence ratio is not a token ratio). A random init starts near 0.07; 0.21 is a
+letter at every answer position with random letters, so an end above ~0.3 means letters are placed
+right. Measured (2 busy cores, 300 steps, sync; several sessions): grpo 0.07 -> 0.55-0.72, dapo
+0.53-0.65, cispo 0.61-0.71, rloo 0.54, dr_grpo 0.43-0.56, ppo 0.38-0.41, reinforce_pp 0.24-0.39,
+gspo 0.29-0.30. Each case's bound (END) sits ~20 % below its slowest run seen; reinforce_pp and
+gspo, which learn the format and little more in 300 steps here, keep the format bound.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from molt_core.trainer import train
 
 RECIPE = "recipes/cpu/reverse.yaml"
 STEPS = 300
-START, END = 0.15, 0.2      # mean reward of the first 5 steps <= START, of the last 20 >= END
+START = 0.15                # mean reward of the first 5 steps <= START, of the last 20 >= END
+END = {"grpo": 0.45, "dapo": 0.42, "dr_grpo": 0.35, "rloo": 0.42, "reinforce_pp": 0.2,
+       "gspo": 0.23, "cispo": 0.45, "ppo": 0.3}
 
 # Each paper's own setting where the recipe's default (GRPO-style) differs.
 CASES = {
@@ -57,4 +60,4 @@ def learn(model_dir, tmp_path, plugin: str | None, *overrides: str) -> tuple[lis
 def test_estimator_learns_multi_token(ray_local, tiny_chars_dir, tmp_path, plugin):
     _, start, end = learn(tiny_chars_dir, tmp_path, plugin, *CASES[plugin])
     assert start <= START
-    assert end >= END
+    assert end >= END[plugin]

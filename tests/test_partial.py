@@ -181,7 +181,8 @@ def test_multi_token_task_learns_off_policy(ray_local, tiny_chars_dir, tmp_path,
                                        "engine.max_batch_size=32",
                                        "rollout.max_inflight_groups=32")
     assert start <= 0.15
-    assert end >= 0.2                  # measured: async 0.47, partial 0.50
+    assert end >= 0.33     # letters placed right (random letters: 0.21); measured: async
+                           # 0.47, partial 0.42-0.50
     assert all(h.get("rollout/version_lag_max", 0) <= 2 for h in history)   # ceil(32 / 16)
     assert any(h.get("rollout/version_lag_max", 0) >= 1 for h in history)    # it did overlap
     if scheme == "partial":
