@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache
 
 from molt_core import moe, multimodal
 
@@ -19,7 +20,8 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
                    moe_out: dict | None = None,
                    images: tuple[torch.Tensor, torch.Tensor] | None = None,
                    extras: dict | None = None,
-                   value_head: torch.nn.Module | None = None) -> torch.Tensor:
+                   value_head: torch.nn.Module | None = None,
+                   share_context: bool = False) -> torch.Tensor:
     """[b, T] log p(input_ids[:, t] | input_ids[:, <t]) / temperature at trainable t, 0 elsewhere.
 
     Only trainable positions go through `lm_head`, `chunk` tokens at a time; with grad enabled each
@@ -33,20 +35,25 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     `extras` (a dict) receives "entropy" [b, T], the entropy of the same temperature-scaled
     distribution at trainable t, and with `value_head` (the critic) "values" [b, T], the value of
     the state before token t, read from the detached final hidden state.
+    `share_context`: a context rows share (a group's prompt) runs once; FSDP must keep the
+    layers unsharded through backward then (`PolicyWorker` does on one rank).
     """
     extra = {}
     if images is not None and images[1].any():
         extra = multimodal.model_inputs(model, input_ids, attention_mask,
                                         *multimodal.unpack_rows(*images))
     with moe.routing(model, routed_experts, moe_routing) as routing:
-        hidden = model.model(input_ids=input_ids, attention_mask=attention_mask,
-                             use_cache=False, **extra).last_hidden_state         # [b, T, H]
+        q, cache = _shared_context(model, input_ids, attention_mask, loss_mask,
+                                   share_context and not (routing.used or extra))  # dense, text
+        hidden = model.model(input_ids=input_ids[:, q:], attention_mask=attention_mask,
+                             past_key_values=cache, use_cache=cache is not None,
+                             **extra).last_hidden_state                       # [b, T - q, H]
     if moe_out is not None and routing.used:
         moe_out["ids"] = routing.ids().view(*input_ids.shape, *routing.ids().shape[1:])
         moe_out["aux_loss"] = routing.aux_loss(attention_mask.bool()
                                                & loss_mask.any(-1, keepdim=True))
     rows, cols = loss_mask[:, 1:].nonzero(as_tuple=True)    # hidden[:, t] predicts token t+1
-    h, targets = hidden[rows, cols], input_ids[rows, cols + 1]                   # [N, H], [N]
+    h, targets = hidden[rows, cols - q], input_ids[rows, cols + 1]               # [N, H], [N]
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=hidden.device)
     if extras is not None and value_head is not None:
         extras["values"] = out.index_put((rows, cols + 1),
@@ -75,3 +82,21 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     if extras is not None:
         extras["entropy"] = out.index_put((rows, cols + 1), torch.cat([p[1] for p in pieces]))
     return out.index_put((rows, cols + 1), torch.cat([p[0] for p in pieces]))
+
+
+def _shared_context(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    loss_mask: torch.Tensor, share: bool) -> tuple[int, DynamicCache | None]:
+    """(q, the KV cache of input_ids[:, :q] from one forward per distinct row, expanded to every
+    row), q the last position before any trainable token; (0, None) if that saves < 1/4 of it."""
+    B, T = input_ids.shape
+    first = torch.where(loss_mask.any(-1), loss_mask.int().argmax(-1), attention_mask.sum(-1))
+    q = int(first.min()) - 1                   # hidden[:, q] predicts the first trainable token
+    if not share or q < 1 or not attention_mask[:, :q].all():
+        return 0, None
+    uniq, inv = torch.unique(input_ids[:, :q], dim=0, return_inverse=True)
+    if (B - len(uniq)) * q * 4 < B * T:
+        return 0, None
+    cache = DynamicCache(config=model.config)
+    model.model(input_ids=uniq, past_key_values=cache, use_cache=True)
+    cache.batch_select_indices(inv)
+    return q, cache

@@ -40,6 +40,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class PolicyWorker:
     """One FSDP2 rank. Plain class; `Policy` runs it as a Ray actor."""
 
+    share_context = False                # token_logprobs' shared contexts (`_build_model`)
+
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int,
                  model_path: str, *, dtype: str = "float32", trainer: dict[str, Any],
                  seed: int = 0, num_threads: int = 1) -> None:
@@ -59,7 +61,8 @@ class PolicyWorker:
         gate_params = {id(p) for g in moe.moe_gates(model) for p in g.parameters()}
         self.fp32_names = {n for n, p in model.named_parameters() if id(p) in gate_params}
         # The root owns embed/norm/lm_head: gathered only inside a registered forward method.
-        model.molt_token_logprobs = functools.partial(token_logprobs, model)
+        model.molt_token_logprobs = functools.partial(token_logprobs, model,
+                                                      share_context=self.share_context)
         register_fsdp_forward_method(model, "molt_token_logprobs")
         self.model, self.model_path, self.dtype = model, model_path, dtype
         self.reference: Any = None                       # frozen initial weights (KL), lazy
@@ -99,6 +102,12 @@ class PolicyWorker:
         # A param without grad on one rank (unrouted expert, idle lm_head) must not shrink its
         # reduce-scatter: unequal collectives hang.
         model.set_reduce_scatter_unused_params(True)
+        # One rank: the layers stay unsharded through the step (`_reshard` before the optimizer)
+        # so token_logprobs may run a shared context apart from the rows that continue it (two
+        # forwards of a layer per backward, which resharding in between breaks)
+        self.share_context = self.world_size == 1
+        model.set_reshard_after_forward(not self.share_context)
+        model.set_reshard_after_backward(not self.share_context)
         return model
 
     def ready(self) -> int:
@@ -126,7 +135,8 @@ class PolicyWorker:
         (`_build_model`)."""
         if self.reference is None:
             ref = self._build_model(self.model_path, _DTYPES[self.dtype]).requires_grad_(False)
-            ref.molt_token_logprobs = functools.partial(token_logprobs, ref)
+            ref.molt_token_logprobs = functools.partial(token_logprobs, ref,
+                                                        share_context=self.share_context)
             register_fsdp_forward_method(ref, "molt_token_logprobs")
             self.reference = ref.eval()
         return self.reference
@@ -236,6 +246,7 @@ class PolicyWorker:
                     sums[k] = sums.get(k, 0.0) + s
                     counts[k] = counts.get(k, 0.0) + c
         t1 = time.perf_counter()
+        _reshard(self.model)              # before the grads and the optimizer: the shards
         grad_norm = self._clip_grads()
         if critic is not None:
             for p in critic.parameters():     # loss x world_size: SUM / world_size
@@ -244,7 +255,7 @@ class PolicyWorker:
                 p.grad /= self.world_size
             torch.nn.utils.clip_grad_norm_(critic.parameters(), self.cfg["grad_clip"])
         if self.reference is not None:
-            self.reference.reshard()
+            _reshard(self.reference)
         finite = torch.tensor(float(math.isfinite(loss_total) and math.isfinite(grad_norm)),
                               device=self.device)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)      # every rank steps, or none does
@@ -285,8 +296,7 @@ class PolicyWorker:
                     ids = torch.full((B, T, *u.shape[2:]), -1, dtype=torch.int32)
                 ids[s:s + u.shape[0], :u.shape[1]] = u
             s += lp.shape[0]
-        if isinstance(self.model, FSDPModule):
-            self.model.reshard()        # the root keeps its params gathered after forward
+        _reshard(self.model)
         return (out, ids) if with_routing else out
 
     @torch.no_grad()
@@ -313,7 +323,7 @@ class PolicyWorker:
             x = fn(mb).cpu()
             out[s:s + x.shape[0], :x.shape[1]] = x
             s += x.shape[0]
-        model.reshard()                 # the root keeps its params gathered after forward
+        _reshard(model)
         return out
 
     def save_checkpoint(self, path: str) -> bool:
@@ -380,6 +390,14 @@ def _peak_gib() -> float:
         return peak / 2**30
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20    # KiB on Linux
+
+
+def _reshard(model: Any) -> None:
+    """Free gathered params: the root keeps its own after forward, on one rank every layer does
+    through the step (`_build_model`)."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def _nanmax(a: float, b: float) -> float:

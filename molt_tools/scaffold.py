@@ -105,7 +105,7 @@ import math
 
 import torch
 
-from molt_core.testing import fake_groups, run_step
+from molt_tools.testing import fake_groups, run_step
 
 import {module}
 
@@ -128,7 +128,7 @@ def test_loss_by_hand_with_a_masked_position():
 
 
 def test_estimator_and_loss_through_the_trainers_path():
-    """molt_core.testing: the trainer's own batching, broadcast and loss aggregation."""
+    """molt_tools.testing: the trainer's own batching, broadcast and loss aggregation."""
     out = run_step({module}.{name}_advantages, {module}.{name}_loss, fake_groups([[1.0, 0.0]]),
                    estimator_args={{"scale": 1.0}}, loss_args={{"clip": 0.2}})
     assert out.advantages.tolist() == [0.5, -0.5]

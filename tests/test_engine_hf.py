@@ -51,19 +51,33 @@ def run(coro):
 
 @pytest.mark.parametrize("temperature", [0.7, 1.5])
 def test_batched_logprobs_match_full_forward(tiny_model_dir, model, temperature):
+    prompts = PROMPTS + [PROMPTS[1]] * 3      # a group: its prompt is prefilled once
+
     async def main():
         engine = HFEngine(str(tiny_model_dir))
         cs = await asyncio.gather(*[engine.generate(p, sampling(temperature=temperature))
-                                    for p in PROMPTS])
+                                    for p in prompts])
         return cs, await engine.stats()
 
     cs, stats = run(main())
     assert stats["batches"] == 1 and stats["prefills"] == 1  # one left-padded wave
-    assert stats["tokens_generated"] == 8 * len(PROMPTS)
-    for p, c in zip(PROMPTS, cs):
+    assert stats["prefill_tokens"] == sum(map(len, PROMPTS))
+    assert stats["tokens_generated"] == 8 * len(prompts)
+    for p, c in zip(prompts, cs):
         assert isinstance(c, Completion) and c.finish_reason == "length"
         assert len(c.token_ids) == 8 and c.versions == [0] * 8
         assert_logprobs_match(model, p, c, temperature)
+    assert len({tuple(cs[i].token_ids) for i in (1, 5, 6, 7)}) > 1   # sampled apart
+
+
+def test_samples_follow_the_distribution(tiny_model_dir):
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
+    engine = HFEngine(str(tiny_model_dir), seed=3)
+    logits = probs.log().expand(40_000, 4).contiguous()
+    tokens, logprobs = engine._sample(logits, torch.zeros(logits.shape, dtype=torch.bool),
+                                      sampling(temperature=1.0))
+    assert (torch.bincount(tokens, minlength=4) / len(tokens) - probs).abs().max() < 0.01
+    torch.testing.assert_close(logprobs, probs.log()[tokens])
 
 
 def test_filters_shape_sampling_not_logprobs(tiny_model_dir, model):

@@ -1,5 +1,5 @@
 """Opt-in richer plugin inputs: estimators naming `rollouts` get per-rollout lengths, token counts
-and info; losses naming `group_index`, `step`, `ref_logprobs` get them; `molt_core.testing`."""
+and info; losses naming `group_index`, `step`, `ref_logprobs` get them; `molt_tools.testing`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from molt_core.cli import load
-from molt_core.testing import fake_groups, fake_trajectory, run_step
 from molt_core.trajectory import Completion
+from molt_tools.testing import fake_groups, fake_trajectory, run_step
 
 # A third-party plugin as an author writes it: a length-penalised GRPO advantage and a PPO-clip
 # loss that reports what it was given (metrics come back from the trainer ranks).

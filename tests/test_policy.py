@@ -42,9 +42,10 @@ def ppo_clip(logprobs, behavior_logprobs, advantages, mask, clip: float = 0.2):
                        "ratio_mean": masked_mean(ratio.detach(), mask)}
 
 
-def make_batch(model_path: str, B: int = B_ROWS, T: int = 20, seed: int = 0
+def make_batch(model_path: str, B: int = B_ROWS, T: int = 20, seed: int = 0, shared: int = 0
                ) -> dict[str, torch.Tensor]:
-    """Right-padded rows of different lengths; row 1 has no trainable token."""
+    """Right-padded rows of different lengths; row 1 has no trainable token; the rows' first
+    `shared` tokens are the same and not trainable (a group's prompt: one rank runs it once)."""
     g = torch.Generator().manual_seed(seed)
     batch = {"input_ids": torch.zeros(B, T, dtype=torch.long),
              "attention_mask": torch.zeros(B, T, dtype=torch.bool),
@@ -52,8 +53,9 @@ def make_batch(model_path: str, B: int = B_ROWS, T: int = 20, seed: int = 0
              "advantages": torch.zeros(B, T), "versions": torch.full((B, T), -1)}
     for i in range(B):
         n = T - (3 * i) % 11
-        prompt = 2 + i % 4
+        prompt = max(2 + i % 4, shared)
         batch["input_ids"][i, :n] = torch.randint(1, 500, (n,), generator=g)
+        batch["input_ids"][i, :shared] = batch["input_ids"][0, :shared]
         batch["attention_mask"][i, :n] = True
         if i != 1:
             batch["loss_mask"][i, prompt:n] = True
@@ -131,7 +133,7 @@ def trained(cluster, model_path):
     policies = {k: policies[k] for k in ("one", "micro", "two")}
     metrics = {name: [] for name in policies}
     for seed, agg in ((0, "token-mean"), (1, "seq-mean-token-mean")):
-        batch = make_batch(model_path, seed=seed)
+        batch = make_batch(model_path, seed=seed, shared=8 * seed)
         for name, p in policies.items():
             before = p.logprobs(batch)
             metrics[name].append(p.train(batch, ppo_clip, {"clip": 0.2}, agg))
@@ -167,14 +169,15 @@ def test_micro_batches_do_not_change_the_update(trained):
     assert_params_close(params["one"], params["micro"])
 
 
-def test_chunked_logprobs_match_full_forward(cluster, trained, model_path):
+@pytest.mark.parametrize("name,shared", [("two", 0), ("one", 8)])   # one rank: shared context
+def test_chunked_logprobs_match_full_forward(cluster, trained, model_path, name, shared):
     policies, _ = cluster
-    batch = make_batch(model_path, seed=2)
+    batch = make_batch(model_path, seed=2, shared=shared)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(trained[1]["two"], strict=False)
+    missing, unexpected = model.load_state_dict(trained[1][name], strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}     # tied to embed_tokens
     ref = reference_logprobs(model, batch)
-    lp = policies["two"].logprobs(batch)
+    lp = policies[name].logprobs(batch)
     assert lp.shape == ref.shape
     assert (lp[~batch["loss_mask"]] == 0).all()
     torch.testing.assert_close(lp, ref, atol=1e-5, rtol=0)
