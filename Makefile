@@ -53,6 +53,7 @@ WHEELHOUSE ?= dist/wheelhouse
 dist: install-test
 	rm -rf $(WHEELHOUSE)
 	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w $(WHEELHOUSE) . $(PLUGINS)
+	rm -rf build $(addsuffix /build,$(PLUGINS))    # setuptools' in-tree staging copies
 	ls $(WHEELHOUSE)
 
 bench: install $(TINY)/config.json

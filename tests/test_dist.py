@@ -37,6 +37,8 @@ def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
     wh = tmp_path_factory.mktemp("wheelhouse")
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
           "-w", wh, ROOT, *PLUGINS])
+    for project in (ROOT, *PLUGINS):    # setuptools stages in-tree copies under build/
+        shutil.rmtree(Path(project) / "build", ignore_errors=True)
     return wh
 
 
