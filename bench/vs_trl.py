@@ -47,19 +47,30 @@ Semantic differences that remain:
   correction; TRL has no asynchronous mode here, so async rows compare with TRL's synchronous run.
 - TRL runs in fp32 without gradient checkpointing, like Molt (`bf16=False,
   gradient_checkpointing=False`; TRL's defaults are bf16 autocast and checkpointing).
+- Molt runs a group's shared prompt once (engine prefill, trainer forward); TRL runs every row
+  whole. Same log-probs and gradients up to fp32 rounding.
 - Peak RSS: each side's process tree (Molt: driver, Ray's daemons, trainer and engine actors),
   sampled every second; shared pages count once per process.
 
-`addition`, measured 2026-12-01 on a quiet box (load average 1.2-2.1), TRL in fp32, 200 steps,
-`--levels 0.1,0.2,0.3`: median step 0.44 s (TRL), 0.31 s (Molt sync, 0.71x), 0.30 s (Molt async,
-0.69x); generation per step 0.077 s vs 0.124 s (sync, 1.6x: Molt's decode loop is slower than HF
-`generate` here; TRL trains slower); start-up to the first step done 5.6 s vs 11.6 s (sync) and
-12.6 s (async), 2.1-2.2x (Ray, two actor processes importing torch/transformers); wall time from
-launch to a 10-step mean reward of 0.1: 29.5 s vs 32.7 s (1.11x) and 29.7 s (1.00x), of 0.2:
-42.3 s vs 42.5 s (1.01x) and 39.9 s (0.94x); final reward 0.25 on all three (learning per step
-matches). Time to reward is start-up plus ~90 steps here, so Molt's doubled start-up eats its faster
-steps. (An earlier run had TRL at its defaults, bf16 autocast and gradient checkpointing, under load
-17-27: TRL 3.06 s per step, Molt 0.22x; that compared TRL's slow CPU bf16 path, not matched fp32.)
+`addition`, measured 2026-12-01 with shared prompts run once (below) and the minimal Ray dashboard
+agent not yet in, load average 2-5 (other sessions' jobs), both fp32, 600 steps, `--levels
+0.2,0.3,0.4,0.5`: median step 0.42 s (TRL), 0.18 s (Molt sync, 0.43x), 0.15 s (Molt async,
+0.35x); generation per step 0.073 s vs 0.063 s (sync, 0.86x) and 0.008 s (async: what the driver
+waits; the engine samples while the trainer trains); start-up to the first step done 6.1 s vs
+11.4 s (sync) and 12.0 s (async), 1.9-2.0x; wall time from launch to a 10-step mean reward of 0.2:
+53.3 s vs 29.4 s (0.55x) and 26.1 s (0.49x). TRL left the ~0.25 plateau after ~400 steps (0.3 at
+197 s, 0.5 at 230 s, 0.6 at step 600); neither Molt run did within 600 steps (final 0.23), so the
+later levels have no Molt time. One seed each with different sampling streams: whether that is luck
+or a difference (the stop ids, the std epsilon below) is open. Before (same day, quiet box, 200
+steps): step 0.71x / 0.69x, generation 1.6x TRL's, time to 0.2 1.01x / 0.94x.
+
+Where Molt's step went: a group's 32 samples share one prompt (19 of a row's 23 tokens). The `hf`
+engine prefills each distinct prompt once and expands the KV cache to the group's rows; a one-rank
+trainer runs the shared context once per group (KV cache expanded, gradients through it; FSDP keeps
+the layers unsharded through the step so both forwards share them); the engine samples by inverse
+CDF (torch.multinomial took ~6 ms per [512, 512] step). One thread, in-process: the engine's 512 x
+4 tokens 35 ms vs 115 ms for HF `generate` on the same batch; the trainer step 80 ms vs 155 ms for
+a bare fwd/bwd/AdamW over full rows (it was 185 ms). Log-probs match a full forward (tests).
 
 `smollm2` on the current recipe (additions and multiplications, operands 2-9, lr 3e-4, 20 steps,
 `eval.every=10`), measured 2026-12-01 at load ~2: held-out greedy accuracy TRL 0.125 -> 0.781 ->
