@@ -102,10 +102,10 @@ class PolicyWorker:
         # A param without grad on one rank (unrouted expert, idle lm_head) must not shrink its
         # reduce-scatter: unequal collectives hang.
         model.set_reduce_scatter_unused_params(True)
-        # One rank: the layers stay unsharded through the step (`_reshard` before the optimizer)
-        # so token_logprobs may run a shared context apart from the rows that continue it (two
-        # forwards of a layer per backward, which resharding in between breaks)
-        self.share_context = self.world_size == 1
+        # One rank, text models: the layers stay unsharded through the step (`_reshard` before the
+        # optimizer) so token_logprobs may run a shared context apart from the rows continuing it
+        # (two forwards of a layer per backward; VL models keep mRoPE state from one to the next)
+        self.share_context = self.world_size == 1 and not multimodal.is_vl(model.config)
         model.set_reshard_after_forward(not self.share_context)
         model.set_reshard_after_backward(not self.share_context)
         return model
