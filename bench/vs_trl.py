@@ -52,17 +52,22 @@ Semantic differences that remain:
 - Peak RSS: each side's process tree (Molt: driver, Ray's daemons, trainer and engine actors),
   sampled every second; shared pages count once per process.
 
-`addition`, measured 2026-12-01 with shared prompts run once (below) and the minimal Ray dashboard
-agent not yet in, load average 2-5 (other sessions' jobs), both fp32, 600 steps, `--levels
-0.2,0.3,0.4,0.5`: median step 0.42 s (TRL), 0.18 s (Molt sync, 0.43x), 0.15 s (Molt async,
-0.35x); generation per step 0.073 s vs 0.063 s (sync, 0.86x) and 0.008 s (async: what the driver
-waits; the engine samples while the trainer trains); start-up to the first step done 6.1 s vs
-11.4 s (sync) and 12.0 s (async), 1.9-2.0x; wall time from launch to a 10-step mean reward of 0.2:
-53.3 s vs 29.4 s (0.55x) and 26.1 s (0.49x). TRL left the ~0.25 plateau after ~400 steps (0.3 at
-197 s, 0.5 at 230 s, 0.6 at step 600); neither Molt run did within 600 steps (final 0.23), so the
-later levels have no Molt time. One seed each with different sampling streams: whether that is luck
-or a difference (the stop ids, the std epsilon below) is open. Before (same day, quiet box, 200
-steps): step 0.71x / 0.69x, generation 1.6x TRL's, time to 0.2 1.01x / 0.94x.
+`addition`, measured 2026-12-01 with shared prompts run once (below), both fp32, 200 steps,
+`--levels 0.1,0.15,0.2`, load average 1.8-3.5: median step 0.39 s (TRL), 0.18 s (Molt sync, 0.47x),
+0.15 s (Molt async, 0.39x); generation per step 0.071 s vs 0.060 s (sync, 0.85x) and 0.008 s (async:
+what the driver waits; the engine samples while the trainer trains); start-up to the first step done
+5.4 s vs 11.1 s (sync) and 12.4 s (async), 2.1-2.3x; wall time from launch to a 10-step mean reward
+of 0.1: 38.5 s vs 23.3 s (0.61x) and 22.0 s (0.57x), of 0.15: 43.0 s vs 25.5 s (0.59x) and 23.9 s
+(0.56x), of 0.2: 51.1 s vs 29.5 s (0.58x) and 26.6 s (0.52x); final reward 0.25 / 0.24 / 0.24.
+Start-up is now most of Molt's time to these levels: launch to Ray up ~6 s (the driver's imports ~3
+s, `ray.init` ~2.5 s on a quiet box), then ~5 s until both actors are ready (each imports torch,
+transformers and Molt, ~3.7 s; building engine and trainer ~0.25 s), against TRL's one process. The
+same with 600 steps (load 2-5, `--levels 0.2,0.3,0.4,0.5`): step 0.43x / 0.35x, time to 0.2 53.3 s
+vs 29.4 s (0.55x) and 26.1 s (0.49x); TRL left the ~0.25 plateau after ~400 steps (0.3 at 197 s, 0.5
+at 230 s, 0.6 at step 600), neither Molt run did within 600 steps (final 0.23), so the later levels
+have no Molt time (one seed each, different sampling streams: luck, or the stop ids or std epsilon
+below; an earlier issue measurement had Molt reach 0.5 after ~700 steps). Before (same day, quiet
+box, 200 steps): step 0.71x / 0.69x, generation 1.6x TRL's, time to 0.2 1.01x / 0.94x.
 
 Where Molt's step went: a group's 32 samples share one prompt (19 of a row's 23 tokens). The `hf`
 engine prefills each distinct prompt once and expands the KV cache to the group's rows; a one-rank

@@ -43,9 +43,6 @@ def init_ray(cfg: Config) -> bool:
     logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
         lambda r: "Token authentication is enabled for this" not in r.getMessage())
     os.environ.setdefault("RAY_worker_niceness", "0")   # Ray's default 15 starves the actors
-    # No dashboard, so its minimal agent: with ray[default] Ray starts the full one (aiohttp,
-    # OpenTelemetry, ...) and the raylet waits for it, ~4 s of start-up on 2 cores
-    ray._private.utils.get_dashboard_dependency_error = lambda: ImportError("molt: no dashboard")
     ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False,
              _temp_dir=os.environ["RAY_TMPDIR"], **quiet)
     return True
