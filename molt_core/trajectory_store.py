@@ -4,17 +4,22 @@ Columns (per-token lists align with `token_ids`): step, group_id, rollout_id, ta
 turn_rewards, truncated, token_ids, loss_mask, behavior_logprobs, trainer_logprobs (the trainer's
 pre-update log-probs it trained with; empty when not recorded), versions, segments (start of
 each), segment_text (decoded), images (placeholder span, grid, `ref`: `images/<ref>.safetensors`
-holds the pixel values), info (JSON). Open with pandas/pyarrow directly, or `read_trajectories`.
+holds the pixel values), info (JSON). Open with pandas/pyarrow directly, or
+`molt_tools.view.read_trajectories`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import pickle
 import queue
+import subprocess
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,7 +30,7 @@ import torch
 
 from molt_core.trajectory import Trajectory
 
-__all__ = ["TrajectoryWriter", "read_trajectories", "trajectory_rows", "write_trajectories"]
+__all__ = ["TrajectoryWriter", "trajectory_rows", "write_trajectories"]
 
 log = structlog.get_logger("molt.trajectories")
 _INT, _F32 = pa.list_(pa.int32()), pa.list_(pa.float32())
@@ -74,79 +79,74 @@ def _save_image(pixels: torch.Tensor, image_dir: Path | None) -> str:
 
 def write_trajectories(path: Path, rows: list[dict[str, Any]]) -> None:
     """Write rows of `SCHEMA` to one Parquet file (zstd), atomically (a temporary file renamed)."""
-    buf = pa.BufferOutputStream()     # ~4x faster here than pyarrow's own file output
-    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), buf, compression="zstd")
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(buf.getvalue().to_pybytes())
-    tmp.replace(path)
-
-
-def read_trajectories(path: str | Path, steps: list[int] | None = None) -> list[dict[str, Any]]:
-    """Rows (plain dicts) of a run directory, its `trajectories/` folder or one Parquet file."""
-    path = Path(path)
-    if path.is_dir() and (path / "trajectories").is_dir():
-        path = path / "trajectories"
-    files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
-    rows = [r for f in files for r in pq.read_table(f).to_pylist()]
-    return [r for r in rows if steps is None or r["step"] in steps]
+    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), f"{path}.tmp", compression="zstd")
+    os.replace(f"{path}.tmp", path)
 
 
 class TrajectoryWriter:
-    """Saves what each step trained on, from a background thread (a full queue drops a step
-    with a warning rather than stall the loop). `every`: steps between saves (0: off);
-    `per_step`: rollouts saved per saved step (0: all)."""
+    """Saves what each step trained on from a SCHED_IDLE process (no GIL shared with the loop),
+    fed by a thread; a full queue drops a step with a warning rather than stall the loop.
+    `every`: steps between saves (0: off); `per_step`: rollouts saved per saved step (0: all)."""
 
     def __init__(self, run_dir: Path | None, tokenizer: Any, every: int = 1, per_step: int = 0,
                  task_of: Callable[[int], int] | None = None) -> None:
         self.dir = run_dir / "trajectories" if run_dir and every > 0 else None
-        self.tokenizer, self.every, self.per_step = tokenizer, every, per_step
-        self.task_of = task_of
-        self.queue: queue.Queue = queue.Queue(maxsize=16)
-        self.thread = threading.Thread(target=self._run, daemon=True, name="molt-trajectories")
+        self.every, self.task_of, self.queue = every, task_of, queue.Queue(maxsize=64)
         if self.dir:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self.thread.start()
+            self.proc = subprocess.Popen(   # its own session: Ctrl-C stops the loop, not this
+                [sys.executable, "-c", "import molt_core.trajectory_store as s; s._serve()"],
+                stdin=subprocess.PIPE, start_new_session=True,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+            threading.Thread(target=self._run, daemon=True, name="molt-trajectories",
+                             args=(pickle.dumps((self.dir, tokenizer, per_step)),)).start()
 
     def write(self, step: int, trajs: list[Trajectory], policy: Any = None) -> None:
         """Queue the step's trajectories with the trainer's log-probs of their rows (one row per
-        segment, in order, as `advantage.training_batch` builds them)."""
+        segment, as `advantage.training_batch` builds them; requested now, fetched later)."""
         if not self.dir or step % self.every:
             return
-        lp = getattr(policy, "trained_logprobs", None)
-        lp = lp() if lp else None             # requested now, fetched by the writer thread
+        lp = policy.trained_logprobs() if hasattr(policy, "trained_logprobs") else None
         try:
             self.queue.put_nowait((step, trajs, lp))
         except queue.Full:
             log.warning("trajectory writer behind: step not saved", step=step)
 
-    def _run(self) -> None:
-        if sys.platform == "linux":    # a thread is a task there: only this one gets idle CPU
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        while (item := self.queue.get()) is not None:
-            step, trajs, lp = item
-            try:
-                per_traj = _per_trajectory(trajs, lp()) if lp is not None else None
-                keep = range(min(self.per_step, len(trajs)) if self.per_step else len(trajs))
-                rows = trajectory_rows(step, [trajs[i] for i in keep], self.tokenizer,
-                                       per_traj and [per_traj[i] for i in keep], self.task_of,
-                                       self.dir / "images")
-                write_trajectories(self.dir / f"step_{step:06d}.parquet", rows)
+    def _run(self, setup: bytes) -> None:
+        self.proc.stdin.write(setup)
+        for step, trajs, lp in iter(self.queue.get, None):
+            try:    # MoE routing is not saved (large, slow to pickle)
+                trajs = [replace(t, routed_experts=None) if t.routed_experts else t for t in trajs]
+                tasks = {t.group_id: self.task_of(t.group_id) for t in trajs if self.task_of}
+                pickle.dump((step, trajs, tasks, lp and lp()), self.proc.stdin, protocol=5)
+                self.proc.stdin.flush()
             except Exception as e:   # a failed save must not kill the run
                 log.warning("trajectory save failed", step=step, error=f"{type(e).__name__}: {e}")
+        self.proc.stdin.close()
 
     def close(self) -> None:
-        if self.thread.is_alive():
+        if self.dir:
             self.queue.put(None)
-            self.thread.join()
+            self.proc.wait(timeout=600)
+
+
+def _serve() -> None:
+    """The writer process: (dir, tokenizer, per_step), then one saved step after another."""
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))   # only CPU nobody else wants
+    out, tokenizer, per_step = pickle.load(sys.stdin.buffer)
+    with contextlib.suppress(EOFError):     # the loop closed its end (or died)
+        while True:
+            step, trajs, tasks, lp = pickle.load(sys.stdin.buffer)
+            try:
+                lp = None if lp is None else _per_trajectory(trajs, lp)[:per_step or None]
+                write_trajectories(out / f"step_{step:06d}.parquet", trajectory_rows(
+                    step, trajs[:per_step or None], tokenizer, lp, tasks and tasks.get,
+                    out / "images"))
+            except Exception as e:
+                log.warning("trajectory save failed", step=step, error=f"{type(e).__name__}: {e}")
 
 
 def _per_trajectory(trajs: list[Trajectory], lp: torch.Tensor) -> list[list[float]]:
     """[rows, T] per-segment log-probs -> one list per trajectory over all its tokens."""
-    out, row = [], 0
-    for t in trajs:
-        parts = []
-        for s in t.split_segments():
-            parts += lp[row, :len(s)].tolist()
-            row += 1
-        out.append(parts)
-    return out
+    rows = iter(lp.tolist())
+    return [sum((next(rows)[:len(s)] for s in t.split_segments()), []) for t in trajs]

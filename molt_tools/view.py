@@ -18,7 +18,19 @@ from typing import Any
 
 import yaml
 
-__all__ = ["add_args", "load_rows", "main", "render_terminal", "token_roles", "write_html"]
+__all__ = ["add_args", "load_rows", "main", "read_trajectories", "render_terminal", "token_roles",
+           "write_html"]
+
+
+def read_trajectories(path: str | Path, steps: list[int] | None = None) -> list[dict[str, Any]]:
+    """Rows (plain dicts) of a run directory, its `trajectories/` folder or one Parquet file."""
+    import pyarrow.parquet as pq
+    path = Path(path)
+    if path.is_dir() and (path / "trajectories").is_dir():
+        path = path / "trajectories"
+    files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
+    rows = [r for f in files for r in pq.read_table(f).to_pylist()]
+    return [r for r in rows if steps is None or r["step"] in steps]
 
 
 def token_roles(row: dict[str, Any]) -> list[str]:
@@ -53,7 +65,6 @@ def load_rows(run_dir: str | Path, tokenizer_path: str | None = None) -> list[di
     """Saved rows with per-token text (`tokens`), roles and turn spans added."""
     from transformers import AutoTokenizer
 
-    from molt_core.trajectory_store import read_trajectories
     run_dir = Path(run_dir)
     rows = read_trajectories(run_dir)
     if tokenizer_path is None:

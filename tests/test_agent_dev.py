@@ -7,7 +7,7 @@ import threading
 import openai
 
 from molt_core.cli import main, parse
-from molt_core.trajectory_store import read_trajectories
+from molt_tools.view import read_trajectories
 from molt_tools.agent_dev import serve
 
 

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from molt_core import hookimpl
 from molt_core.cli import load
 from molt_core.trainer import train
-from molt_core.trajectory_store import read_trajectories
+from molt_tools.view import read_trajectories
 from test_chat_server import THINK_TEMPLATE   # earlier turns re-render without `<think>`
 
 ROOT = Path(__file__).parents[1]
