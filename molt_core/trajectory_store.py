@@ -95,7 +95,7 @@ class TrajectoryWriter:
         if self.dir:
             self.dir.mkdir(parents=True, exist_ok=True)
             self.proc = subprocess.Popen(   # its own session: Ctrl-C stops the loop, not this
-                [sys.executable, "-c", "import molt_core.trajectory_store as s; s._serve()"],
+                [sys.executable, "-c", _SERVE],
                 stdin=subprocess.PIPE, start_new_session=True,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
             threading.Thread(target=self._run, daemon=True, name="molt-trajectories",
@@ -130,9 +130,14 @@ class TrajectoryWriter:
             self.proc.wait(timeout=600)
 
 
+# SCHED_IDLE (Linux) before the imports: the writer takes only CPU nobody else wants, from its
+# start on (the actors' imports and model builds are still running then)
+_SERVE = ("import os\nif hasattr(os, 'sched_setscheduler'): os.sched_setscheduler(0, "
+          "os.SCHED_IDLE, os.sched_param(0))\nimport molt_core.trajectory_store as s; s._serve()")
+
+
 def _serve() -> None:
     """The writer process: (dir, tokenizer, per_step), then one saved step after another."""
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))   # only CPU nobody else wants
     out, tokenizer, per_step = pickle.load(sys.stdin.buffer)
     with contextlib.suppress(EOFError):     # the loop closed its end (or died)
         while True:
