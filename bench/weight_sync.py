@@ -19,7 +19,10 @@ torch transposes (plain or blocked) run no faster than the reorder, and a pack f
 (`ab`) source is 2-4x faster only after paying that transpose; avoiding page faults for the new
 buffers (mallopt) changes nothing; two Python threads packing layers side by side gained ~15 % at
 most on the loaded box (the op mostly holds the GIL). Already cut: q/k/v and gate/up shards back to
-back in a bucket are packed from one view of the bucket (no staging copy).
+back in a bucket are packed from one view of the bucket (no staging copy); the update's start rides
+on the first bucket's call and the finish's 4 engine-core calls go as 2 back-to-back pairs, and the
+in-process path writes a bucket into a second slot while the previous one loads (2 threads: shm
+185-187 ms, was 192; in-process 198-216 ms, was 213; within the loaded box's noise).
 
     python bench/weight_sync.py [--bucket-mb 128] [--repeats 3] [--engines hf,vllm]
                                 [--modes in-process,ray,broadcast,shm] [--engine-threads 1]
