@@ -414,9 +414,9 @@ class HFEngine:
         if s["min_p"] > 0.0:
             probs = filtered.softmax(-1)
             filtered[probs < s["min_p"] * probs.max(-1, keepdim=True).values] = -float("inf")
-        cdf = filtered.softmax(-1).cumsum(-1)   # inverse CDF: torch.multinomial is ~15x slower
-        u = torch.rand(len(cdf), 1, generator=self.generator, device=cdf.device) * cdf[:, -1:]
-        tokens = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
+        # torch.multinomial, not an inverse-CDF draw: that one was ~6 ms/step faster here, but
+        # every multi-token learning test learned far less with it (cispo 0.61 -> 0.21; unexplained)
+        tokens = torch.multinomial(filtered.softmax(-1), 1, generator=self.generator).squeeze(1)
         return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 

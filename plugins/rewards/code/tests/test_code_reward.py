@@ -104,12 +104,15 @@ def test_fork_storm_is_contained():
 
 @pytest.mark.skipif("cgroup" not in isolation(), reason="needs cgroup v1 memory (root)")
 def test_memory_is_limited_across_processes():
-    code = """import os
+    # each child holds its 200 MB a while, so the four overlap (children that allocate and exit
+    # at once may run one after another on 2 cores and never exceed the limit together)
+    code = """import os, time
 kids = []
 for _ in range(4):
     pid = os.fork()
     if pid == 0:
         block = b"x" * (200 * 2**20)
+        time.sleep(2)
         os._exit(0)
     kids.append(pid)
 assert all(os.waitpid(k, 0)[1] == 0 for k in kids), "a child was killed"
