@@ -72,8 +72,9 @@ box, 200 steps): step 0.71x / 0.69x, generation 1.6x TRL's, time to 0.2 1.01x / 
 Where Molt's step went: a group's 32 samples share one prompt (19 of a row's 23 tokens). The `hf`
 engine prefills each distinct prompt once and expands the KV cache to the group's rows; a one-rank
 trainer runs the shared context once per group (KV cache expanded, gradients through it; FSDP keeps
-the layers unsharded through the step so both forwards share them); the engine samples by inverse
-CDF (torch.multinomial took ~6 ms per [512, 512] step). One thread, in-process: the engine's 512 x
+the layers unsharded through the step so both forwards share them); the engine sampled by inverse
+CDF in these runs (torch.multinomial took ~6 ms per [512, 512] step; it is back to
+torch.multinomial, with which the multi-token learning tests learn as before). One thread, in-process: the engine's 512 x
 4 tokens 35 ms vs 115 ms for HF `generate` on the same batch; the trainer step 80 ms vs 155 ms for
 a bare fwd/bwd/AdamW over full rows (it was 185 ms). Log-probs match a full forward (tests).
 
