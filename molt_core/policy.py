@@ -177,13 +177,13 @@ class PolicyWorker:
         critic = self._critic() if "returns" in batch else None
         if critic is not None:
             self.critic_group["lr"] = terms.get("value_lr") or self.cfg["lr"]
-        self._trained_lp = []
+        trained = []        # pre-update log-probs, for saved trajectories
         for mb in self._micro_batches(batch):
             mask = mb["loss_mask"]
             moe_out: dict[str, torch.Tensor] = {}
             extras: dict[str, torch.Tensor] = {}
             lp = self._logprobs(mb, temperature, moe_out, extras, critic)
-            self._trained_lp.append(lp.detach())
+            trained.append(F.pad(lp.detach(), (0, batch["input_ids"].shape[1] - lp.shape[1])))
             behavior = mb["behavior_logprobs"]
             # losses that name `group_index` / `ref_logprobs` get them (docs/plugins.md)
             kw = {**loss_args, **opt_in(loss_fn, group_index=mb.get("group_index"),
@@ -264,13 +264,9 @@ class PolicyWorker:
         self.optim.zero_grad(set_to_none=True)
         return {"loss": loss_total, "grad_norm": float(grad_norm), "sums": sums, "counts": counts,
                 "max": {"mismatch/max_abs": max_abs, "memory/trainer_peak_gib": _peak_gib()},
-                "nonfinite": not finite.item(),
+                "nonfinite": not finite.item(),     # pi_prox given: the driver has them
+                "logprobs": None if "prox_logprobs" in batch else torch.cat(trained).cpu(),
                 "time": {"train/fwd_bwd_s": t1 - t0, "train/optim_s": time.perf_counter() - t1}}
-
-    def trained_logprobs(self) -> torch.Tensor:
-        """[b, T] the log-probs the last `train_step` trained with (pre-update), 0 elsewhere."""
-        T = max(lp.shape[1] for lp in self._trained_lp)
-        return torch.cat([F.pad(lp, (0, T - lp.shape[1])) for lp in self._trained_lp]).cpu()
 
     def _clip_grads(self) -> float:
         """Clip the step's gradients to `trainer.grad_clip`; returns their total norm."""
@@ -499,6 +495,7 @@ class Policy:
                     "train_step")[::self.replicas])
                 self._count_nonfinite(steps[-1][0]["nonfinite"])
         outs = [o for step in steps for o in step]
+        self._trained = [o["logprobs"] for o in steps[-1]]
         metrics = {"loss": sum(o["loss"] for o in outs) / len(steps),
                    "grad_norm": sum(step[0]["grad_norm"] for step in steps) / len(steps),
                    "faults/nonfinite_steps": self.nonfinite_steps}
@@ -536,19 +533,10 @@ class Policy:
         ids = None if parts[0][1] is None else torch.cat([p[1] for p in parts])[:B]
         return lp, ids
 
-    def trained_logprobs(self) -> Callable[[], torch.Tensor]:
-        """Requests the trainer log-probs the last `train` used (pre-update) now; the returned
-        function waits for them: [B, T], 0 where not trainable."""
-        if self._prox is not None:          # several steps: pi_prox, computed before them
-            prox = self._prox
-            return lambda: prox
-        refs, rows = [w.trained_logprobs.remote() for w in self.workers], self._rows
-
-        def fetch() -> torch.Tensor:
-            parts = self._get(refs, "trained_logprobs")[::self.replicas]
-            T = max(p.shape[1] for p in parts)
-            return torch.cat([F.pad(p, (0, T - p.shape[1])) for p in parts])[:rows]
-        return fetch
+    def trained_logprobs(self) -> torch.Tensor:
+        """[B, T] the trainer log-probs the last `train` used (pre-update), 0 where not trainable
+        (several steps: pi_prox, computed before them; one: they came back with it)."""
+        return self._prox if self._prox is not None else torch.cat(self._trained)[:self._rows]
 
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, T] the critic's values at trainable positions (pre-update), 0 elsewhere."""

@@ -50,7 +50,7 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
         sink = MetricsSink(run_dir, cfg.trainer.steps, progress,
                            [plugins.get("metric_sink", s)(run_dir, cfg) for s in cfg.log.sinks])
         saved = TrajectoryWriter(run_dir, tokenizer, cfg.log.trajectories_every,
-                                 cfg.log.trajectories_per_step, generator.task_of)
+                                 cfg.log.trajectories_per_step, generator.task_of, start)
         alg = cfg.algorithm
         refill = getattr(scheme, "refill", generator.generate)   # for batch filters (DAPO)
 

@@ -1,16 +1,14 @@
-"""Saved trajectories: `RUN_DIR/trajectories/step_NNNNNN.parquet`, one row per rollout.
-
-Columns (per-token lists align with `token_ids`): step, group_id, rollout_id, task, reward,
-turn_rewards, truncated, token_ids, loss_mask, behavior_logprobs, trainer_logprobs (the trainer's
-pre-update log-probs it trained with; empty when not recorded), versions, segments (start of
-each), segment_text (decoded), images (placeholder span, grid, `ref`: `images/<ref>.safetensors`
-holds the pixel values), info (JSON). Open with pandas/pyarrow directly, or
-`molt_tools.view.read_trajectories`.
+"""Saved trajectories: `RUN_DIR/trajectories/step_NNNNNN.parquet` holds the steps saved within
+`FLUSH_S` seconds from step NNNNNN on, one row per rollout. Columns (per-token lists align with
+`token_ids`): step, group_id, rollout_id, task, reward, turn_rewards, truncated, token_ids,
+loss_mask, behavior_logprobs, trainer_logprobs (the trainer's pre-update log-probs it trained
+with; empty when not recorded), versions, segments (start of each), segment_text (decoded),
+images (placeholder span, grid, `ref`: `images/<ref>.safetensors` holds the pixel values), info
+(JSON). Open with pandas/pyarrow directly, or `molt_tools.view.read_trajectories`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -19,10 +17,12 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import structlog
@@ -33,6 +33,7 @@ from molt_core.trajectory import Trajectory
 __all__ = ["TrajectoryWriter", "trajectory_rows", "write_trajectories"]
 
 log = structlog.get_logger("molt.trajectories")
+FLUSH_S = 10.0      # Parquet's cost per file is mostly fixed: one per this many seconds of steps
 _INT, _F32 = pa.list_(pa.int32()), pa.list_(pa.float32())
 SCHEMA = pa.schema([
     ("step", pa.int64()), ("group_id", pa.int64()), ("rollout_id", pa.int64()),
@@ -43,29 +44,30 @@ SCHEMA = pa.schema([
     ("images", pa.list_(pa.struct([("start", pa.int32()), ("num_tokens", pa.int32()),
                                    ("grid_thw", _INT), ("ref", pa.string())]))),
     ("info", pa.string())])
+_json = json.JSONEncoder(default=str).encode
 
 
-def trajectory_rows(step: int, trajs: list[Trajectory], tokenizer: Any,
-                    trainer_logprobs: list[list[float]] | None = None,
-                    task_of: Callable[[int], int] | None = None,
-                    image_dir: Path | None = None) -> list[dict[str, Any]]:
-    """Plain rows of `SCHEMA`; images are written once each to `image_dir` (content-addressed)."""
-    rows = []
-    for i, t in enumerate(trajs):
-        bounds = sorted(set(t.segments) | {0}) + [len(t)]
-        rows.append({
-            "step": step, "group_id": t.group_id, "rollout_id": t.rollout_id,
-            "task": task_of(t.group_id) if task_of else -1, "reward": float(t.reward),
-            "turn_rewards": t.turn_rewards, "truncated": t.truncated, "token_ids": t.token_ids,
-            "loss_mask": t.loss_mask, "behavior_logprobs": t.logprobs,
-            "trainer_logprobs": trainer_logprobs[i] if trainer_logprobs else [],
-            "versions": t.versions, "segments": bounds[:-1],
-            "segment_text": tokenizer.batch_decode([t.token_ids[a:b]
-                                                    for a, b in zip(bounds, bounds[1:])]),
-            "images": [{"start": im.start, "num_tokens": im.num_tokens, "grid_thw": im.grid_thw,
-                        "ref": _save_image(im.pixel_values, image_dir)} for im in t.images],
-            "info": json.dumps(t.info, default=str)})
-    return rows
+def trajectory_rows(step: int, trajs: list[Trajectory], tokenizer: Any, trainer_lp: Any = None,
+                    task_of: Callable[[int], int] | None = None, image_dir: Path | None = None
+                    ) -> list[tuple]:
+    """Rows of `SCHEMA`; `trainer_lp`: [segment rows, T] as trained (`Policy.trained_logprobs`;
+    later rows unused); images are written once each to `image_dir` (content-addressed)."""
+    starts = [sorted(set(t.segments) | {0}) for t in trajs]
+    seqs = [t.token_ids[a:b] for s, t in zip(starts, trajs) for a, b in zip(s, s[1:] + [len(t)])]
+    fast = getattr(tokenizer, "backend_tokenizer", None)    # its own decode: the same, 4x quicker
+    texts = iter(fast.decode_batch(seqs, skip_special_tokens=False) if fast and not
+                 tokenizer.clean_up_tokenization_spaces else tokenizer.batch_decode(seqs))
+    lp: list = [[]] * len(trajs)
+    if trainer_lp is not None:      # one row per non-empty segment, as training_batch
+        lp, n = np.asarray(trainer_lp), np.array([len(s) for s in seqs if s])
+        lp = lp[:len(n)][np.arange(lp.shape[1]) < n[:, None]]
+        lp = np.split(lp, np.cumsum([len(t) for t in trajs])[:-1])
+    return [(step, t.group_id, t.rollout_id, task_of(t.group_id) if task_of else -1,
+             float(t.reward), t.turn_rewards, t.truncated, t.token_ids, t.loss_mask, t.logprobs, l,
+             t.versions, s, [next(texts) for _ in s],
+             [{"start": im.start, "num_tokens": im.num_tokens, "grid_thw": im.grid_thw,
+               "ref": _save_image(im.pixel_values, image_dir)} for im in t.images], _json(t.info))
+            for t, s, l in zip(trajs, starts, lp)]
 
 
 def _save_image(pixels: torch.Tensor, image_dir: Path | None) -> str:
@@ -77,21 +79,24 @@ def _save_image(pixels: torch.Tensor, image_dir: Path | None) -> str:
     return ref
 
 
-def write_trajectories(path: Path, rows: list[dict[str, Any]]) -> None:
+def write_trajectories(path: Path, rows: list[tuple]) -> None:
     """Write rows of `SCHEMA` to one Parquet file (zstd), atomically (a temporary file renamed)."""
-    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), f"{path}.tmp", compression="zstd")
+    pq.write_table(pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(zip(*rows), SCHEMA)],
+                                        schema=SCHEMA), f"{path}.tmp", compression="zstd")
     os.replace(f"{path}.tmp", path)
 
 
 class TrajectoryWriter:
     """Saves what each step trained on from a SCHED_IDLE process (no GIL shared with the loop),
     fed by a thread; a full queue drops a step with a warning rather than stall the loop.
-    `every`: steps between saves (0: off); `per_step`: rollouts saved per saved step (0: all)."""
+    `every`: steps between saves (0: off); `per_step`: rollouts saved per saved step (0: all);
+    `start`: the first step of this run (a resumed run's saved steps from it on replace any)."""
 
     def __init__(self, run_dir: Path | None, tokenizer: Any, every: int = 1, per_step: int = 0,
-                 task_of: Callable[[int], int] | None = None) -> None:
+                 task_of: Callable[[int], int] | None = None, start: int = 0) -> None:
         self.dir = run_dir / "trajectories" if run_dir and every > 0 else None
-        self.every, self.task_of, self.queue = every, task_of, queue.Queue(maxsize=64)
+        self.every, self.per_step, self.task_of = every, per_step or None, task_of
+        self.queue: queue.Queue = queue.Queue(maxsize=64)
         if self.dir:
             self.dir.mkdir(parents=True, exist_ok=True)
             self.proc = subprocess.Popen(   # its own session: Ctrl-C stops the loop, not this
@@ -99,16 +104,16 @@ class TrajectoryWriter:
                 stdin=subprocess.PIPE, start_new_session=True,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
             threading.Thread(target=self._run, daemon=True, name="molt-trajectories",
-                             args=(pickle.dumps((self.dir, tokenizer, per_step)),)).start()
+                             args=(pickle.dumps((self.dir, tokenizer, start)),)).start()
 
     def write(self, step: int, trajs: list[Trajectory], policy: Any = None) -> None:
         """Queue the step's trajectories with the trainer's log-probs of their rows (one row per
-        segment, as `advantage.training_batch` builds them; requested now, fetched later)."""
+        segment, as `advantage.training_batch` builds them)."""
         if not self.dir or step % self.every:
             return
-        lp = policy.trained_logprobs() if hasattr(policy, "trained_logprobs") else None
+        lp = policy.trained_logprobs().numpy() if hasattr(policy, "trained_logprobs") else None
         try:
-            self.queue.put_nowait((step, trajs, lp))
+            self.queue.put_nowait((step, trajs[:self.per_step], lp))
         except queue.Full:
             log.warning("trajectory writer behind: step not saved", step=step)
 
@@ -118,7 +123,7 @@ class TrajectoryWriter:
             try:    # MoE routing is not saved (large, slow to pickle)
                 trajs = [replace(t, routed_experts=None) if t.routed_experts else t for t in trajs]
                 tasks = {t.group_id: self.task_of(t.group_id) for t in trajs if self.task_of}
-                pickle.dump((step, trajs, tasks, lp and lp()), self.proc.stdin, protocol=5)
+                pickle.dump((step, trajs, tasks, lp), self.proc.stdin, protocol=5)
                 self.proc.stdin.flush()
             except Exception as e:   # a failed save must not kill the run
                 log.warning("trajectory save failed", step=step, error=f"{type(e).__name__}: {e}")
@@ -131,27 +136,29 @@ class TrajectoryWriter:
 
 
 # SCHED_IDLE (Linux) before the imports: the writer takes only CPU nobody else wants, from its
-# start on (the actors' imports and model builds are still running then)
-_SERVE = ("import os\nif hasattr(os, 'sched_setscheduler'): os.sched_setscheduler(0, "
+# start on (the actors' imports and model builds are still running then). No garbage collector:
+# nothing here makes cycles, and its passes would rescan every buffered row.
+_SERVE = ("import gc, os; gc.disable()\nif hasattr(os, 'SCHED_IDLE'): os.sched_setscheduler(0, "
           "os.SCHED_IDLE, os.sched_param(0))\nimport molt_core.trajectory_store as s; s._serve()")
 
 
 def _serve() -> None:
-    """The writer process: (dir, tokenizer, per_step), then one saved step after another."""
-    out, tokenizer, per_step = pickle.load(sys.stdin.buffer)
-    with contextlib.suppress(EOFError):     # the loop closed its end (or died)
-        while True:
+    """The writer process: (dir, tokenizer, start), then one saved step after another; a file
+    per `FLUSH_S` seconds of them, and one when the loop closes its end (or dies)."""
+    out, tokenizer, start = pickle.load(sys.stdin.buffer)
+    for f in out.glob("*.parquet"):         # an earlier run's steps from `start` on go
+        keep = pq.read_table(f, filters=[("step", "<", start)])
+        if keep.num_rows < pq.read_metadata(f).num_rows:
+            pq.write_table(keep, f) if keep.num_rows else f.unlink()
+    rows, flushed, step = [], time.monotonic(), 0
+    while step is not None:
+        try:
             step, trajs, tasks, lp = pickle.load(sys.stdin.buffer)
-            try:
-                lp = None if lp is None else _per_trajectory(trajs, lp)[:per_step or None]
-                write_trajectories(out / f"step_{step:06d}.parquet", trajectory_rows(
-                    step, trajs[:per_step or None], tokenizer, lp, tasks and tasks.get,
-                    out / "images"))
-            except Exception as e:
-                log.warning("trajectory save failed", step=step, error=f"{type(e).__name__}: {e}")
-
-
-def _per_trajectory(trajs: list[Trajectory], lp: torch.Tensor) -> list[list[float]]:
-    """[rows, T] per-segment log-probs -> one list per trajectory over all its tokens."""
-    rows = iter(lp.tolist())
-    return [sum((next(rows)[:len(s)] for s in t.split_segments()), []) for t in trajs]
+            rows += trajectory_rows(step, trajs, tokenizer, lp, tasks and tasks.get, out / "images")
+        except (EOFError, pickle.UnpicklingError):      # closed; a dead loop's: maybe mid-step
+            step = None
+        except Exception as e:
+            log.warning("trajectory save failed", step=step, error=f"{type(e).__name__}: {e}")
+        if rows and (step is None or time.monotonic() - flushed >= FLUSH_S):
+            write_trajectories(out / f"step_{rows[0][0]:06d}.parquet", rows)
+            rows, flushed = [], time.monotonic()

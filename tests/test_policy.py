@@ -137,7 +137,7 @@ def trained(cluster, model_path):
         for name, p in policies.items():
             before = p.logprobs(batch)
             metrics[name].append(p.train(batch, ppo_clip, {"clip": 0.2}, agg))
-            TRAINED_LP.setdefault(name, []).append((before, p.trained_logprobs()()))
+            TRAINED_LP.setdefault(name, []).append((before, p.trained_logprobs()))
     params = {name: p.full_params() for name, p in policies.items()}
     return metrics, params
 

@@ -3,7 +3,11 @@ HF engine, FSDP2 trainer) for a gym, a multi-segment chat and a VL recipe."""
 
 from __future__ import annotations
 
+import os
+import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -142,24 +146,59 @@ def test_vl_run_saves_what_was_trained_with_images_by_reference(ray_local, tiny_
             assert torch.equal(pixels["pixel_values"], want.pixel_values)
 
 
+def make_trajs(tok, step: int, reward: float = 0.0, n: int = 2) -> list:
+    from molt_core.trajectory import Completion, Trajectory
+
+    trajs = []
+    for r in range(n):
+        t = Trajectory(step, r, reward=reward + r)
+        t.add_prompt(tok("after a", add_special_tokens=False).input_ids)
+        t.add_completion(Completion([5], [-0.5], [step]))
+        trajs.append(t)
+    return trajs
+
+
 def test_writer_thread_without_trainer_logprobs(tiny_chars_dir, tmp_path):
     """The writer on its own (no Ray): a sample per step, no trainer log-probs recorded."""
-    from molt_core.trajectory import Completion, Trajectory
     from molt_core.trajectory_store import TrajectoryWriter
 
     tok = AutoTokenizer.from_pretrained(tiny_chars_dir)
     writer = TrajectoryWriter(tmp_path, tok, every=1, per_step=1, task_of=lambda g: 10 + g)
     for step in range(3):
-        trajs = []
-        for r in range(2):
-            t = Trajectory(step, r, reward=float(r))
-            t.add_prompt(tok("after a", add_special_tokens=False).input_ids)
-            t.add_completion(Completion([5], [-0.5], [step]))
-            trajs.append(t)
-        writer.write(step, trajs)
+        writer.write(step, make_trajs(tok, step))
     writer.close()
     rows = read_trajectories(tmp_path)
     assert [(r["step"], r["rollout_id"], r["task"]) for r in rows] == [(0, 0, 10), (1, 0, 11),
                                                                        (2, 0, 12)]
     assert all(r["trainer_logprobs"] == [] and r["versions"][-1] == r["step"] for r in rows)
     assert rows[0]["segment_text"] == [tok.decode(rows[0]["token_ids"])]
+
+
+def test_resumed_run_replaces_later_steps_and_a_dead_loop_leaves_what_it_sent(tiny_chars_dir,
+                                                                              tmp_path):
+    """A resumed run's steps replace what an earlier run saved from its first step on (several
+    files read back as one run); a loop that dies mid-hand-off leaves every step it sent whole on
+    disk (the writer sees the pipe's end and writes what it holds)."""
+    from molt_core.trajectory_store import _SERVE, TrajectoryWriter
+
+    tok = AutoTokenizer.from_pretrained(tiny_chars_dir)
+    for start, steps, reward in ((0, range(6), 0.0), (3, range(3, 5), 10.0)):
+        writer = TrajectoryWriter(tmp_path, tok, start=start)
+        for step in steps:
+            writer.write(step, make_trajs(tok, step, reward))
+        writer.close()
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    proc.stdin.write(pickle.dumps((tmp_path / "trajectories", tok, 5)))
+    for step in (5, 6, 7):      # step 7 cut off halfway, as by a killed loop
+        blob = pickle.dumps((step, make_trajs(tok, step, 20.0), {}, None))
+        proc.stdin.write(blob if step < 7 else blob[:len(blob) // 2])
+    proc.stdin.close()
+    assert proc.wait(timeout=300) == 0
+    rows = read_trajectories(tmp_path)
+    assert [(r["step"], r["reward"]) for r in rows] == [
+        (s, base + r) for s, base in ((0, 0), (1, 0), (2, 0), (3, 10), (4, 10), (5, 20), (6, 20))
+        for r in (0, 1)]
+    names = {f.name for f in (tmp_path / "trajectories").iterdir()}
+    assert {"step_000003.parquet", "step_000005.parquet"} <= names   # no temporary files left
+    assert all(n.startswith("step_") and n.endswith(".parquet") for n in names)

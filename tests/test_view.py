@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 from rich.console import Console
+from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoTokenizer
 
 from molt_core.cli import main
@@ -54,8 +55,8 @@ def run_dir(tmp_path, tiny_chars_dir) -> Path:
     out = tmp_path / "trajectories"
     out.mkdir()
     for step, trajs in ((0, [a, b]), (1, [c])):
-        lp = [[x + (0.5 if t is c and m else 0.0) for x, m in zip(t.logprobs, t.loss_mask)]
-              for t in trajs]
+        lp = pad_sequence([torch.tensor(s.logprobs) + 0.5 * step * torch.tensor(s.loss_mask)
+                           for t in trajs for s in t.split_segments()], batch_first=True)
         write_trajectories(out / f"step_{step:06d}.parquet", trajectory_rows(step, trajs, tok, lp))
     return tmp_path
 
