@@ -268,9 +268,12 @@ def run_trl(spec: dict) -> dict:
 # --- Molt side ---------------------------------------------------------------------------------
 
 def run_molt(spec: dict) -> dict:
-    import molt_core.trainer as trainer
-    from molt_core import hookimpl
-    from molt_core.cli import load
+    from molt_core.cluster import prestart
+    with prestart(spec["recipe"], spec["overrides"]):    # as `molt run`: Ray starts meanwhile
+        import molt_core.trainer as trainer
+        from molt_core import hookimpl
+        from molt_core.cli import load
+        cfg, plugins = load(spec["recipe"], spec["overrides"])
 
     rss = PeakRSS()
     steps: list[dict] = []
@@ -293,8 +296,6 @@ def run_molt(spec: dict) -> dict:
                       "acc": out["eval/greedy/pass@1"]})
         return out
     trainer.evaluate = timed
-
-    cfg, plugins = load(spec["recipe"], spec["overrides"])
     plugins.pm.register(Stamp())
     trainer.train(cfg, plugins, None, progress=False)
     return {"steps": steps, "evals": evals, "trainer_peak_gib": max(peak), **rss.gib()}

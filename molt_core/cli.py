@@ -19,6 +19,7 @@ import structlog
 from molt_core.config import Config, ConfigError, load_config, to_dict
 from molt_core.metrics import RunDirError
 from molt_core.plugins import KINDS, PluginError, Plugins, build_plugins
+from molt_tools.commands import TOOLS
 
 __all__ = ["COMMANDS", "load", "main", "parse"]
 
@@ -101,7 +102,9 @@ def _run(args: argparse.Namespace) -> int:
         args.recipe, args.overrides = resume_recipe(args.resume, args.recipe, args.overrides)
     if args.recipe is None:
         raise ConfigError("molt run needs a recipe (or --resume RUN_DIR)")
-    cfg, plugins = load(args.recipe, args.overrides, args.plugin, args.blocked)
+    from molt_core.cluster import prestart
+    with prestart(args.recipe, args.overrides):     # Ray starts while the plugins import
+        cfg, plugins = load(args.recipe, args.overrides, args.plugin, args.blocked)
     from molt_core.metrics import configure_logging, make_run_dir
     configure_logging(fmt=cfg.log.format)
     from molt_core.trainer import train
@@ -121,40 +124,11 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plugins(args: argparse.Namespace) -> int:
-    plugins = build_plugins(args.plugin, args.blocked)
-    for name, meta in plugins.info.items():
-        provides = ", ".join(f"{k}:{e}" for (k, e), p in plugins.owner.items() if p == name)
-        print(f"{name}  ({meta['distribution']} {meta['version']})\n"
-              f"    hooks:    {', '.join(plugins.hooks_of(name))}\n    provides: {provides}")
-    return 0
-
-
 # name -> (help, add_args(parser), main(args) -> exit code); strings are "module:function".
 COMMANDS: dict[str, tuple[str, Callable | str, Callable | str]] = {
     "run": ("train with a recipe", _run_args, _run),
     "validate": ("check a recipe, start nothing", _recipe_args, _validate),
-    "plugins": ("list loaded plugins and the hooks they implement", _plugin_args, _plugins),
-    "config": ("print the resolved config: every key, its value and its doc",
-               "molt_tools.config_doc:add_args", "molt_tools.config_doc:main"),
-    "report": ("PNG plots of one or more runs' metrics (overlaid)",
-               "molt_tools.report:add_args", "molt_tools.report:main"),
-    "view": ("browse saved trajectories: static HTML file, or the terminal (--terminal)",
-             "molt_tools.view:add_args", "molt_tools.view:main"),
-    "tiny-model": ("build a tiny random-init model + tokenizer locally",
-                   "molt_tools.tiny:add_args", "molt_tools.tiny:main"),
-    "new-plugin": ("generate a plugin package (pyproject, module, test)",
-                   "molt_tools.scaffold:add_args", "molt_tools.scaffold:main"),
-    "pretrained": ("convert a packaged pretrained model into a plain HF directory (offline)",
-                   "molt_tools.pretrained:add_args", "molt_tools.pretrained:main"),
-    "eval": ("evaluate a model or checkpoint on a recipe's held-out prompts",
-             "molt_tools.evaluate:add_args", "molt_tools.evaluate:main"),
-    "serve": ("serve the recipe's policy to agents (engine + chat server, no training)",
-              "molt_tools.agent_dev:serve_args", "molt_tools.agent_dev:serve"),
-    "rollout": ("run the recipe's agent N times, save and show the trajectories (no training)",
-                "molt_tools.agent_dev:rollout_args", "molt_tools.agent_dev:rollout"),
-    "export": ("a checkpoint (or a run dir: its latest) as a plain HF model directory",
-               "molt_tools.export:add_args", "molt_tools.export:main"),
+    **TOOLS,
 }
 
 
@@ -163,18 +137,6 @@ def _resolve(target: Callable | str) -> Callable:
         return target
     module, fn = target.split(":")
     return getattr(importlib.import_module(module), fn)
-
-
-def _version() -> str:
-    from molt_core import HOOK_API_VERSION, __version__
-    lines = [f"molt-core {__version__} (hook API {HOOK_API_VERSION})"]
-    try:
-        plugins = build_plugins()
-    except PluginError as e:
-        return "\n".join([*lines, f"plugins: error: {e}"])
-    lines += [f"  {n}: {m['distribution']} {m['version']}" for n, m in sorted(plugins.info.items())
-              if n != "builtin"]
-    return "\n".join(lines)
 
 
 def _top_parser() -> argparse.ArgumentParser:
@@ -195,7 +157,7 @@ def parse(argv: list[str]) -> argparse.Namespace | None:
     split = next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))
     ns = top.parse_args(argv[:split + 1])
     if ns.version:
-        print(_version())
+        print(_resolve("molt_tools.plugin_info:version")())
         return None
     if ns.command not in COMMANDS:
         close = difflib.get_close_matches(ns.command or "", COMMANDS, n=1)

@@ -12,40 +12,77 @@ import logging
 import math
 import os
 import socket
+import sys
 import tempfile
+import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import ray
 import structlog
 
-from molt_core.config import Config, ConfigError
-from molt_core.weight_sync import WeightSyncError
+from molt_core.config import Config, ConfigError, load_config
 
 __all__ = ["EngineDiedError", "EngineRestarts", "actor_options", "check_resources",
-           "engine_kwargs", "init_ray", "num_threads", "rank_placement", "spawn_engine", "start"]
+           "engine_kwargs", "init_ray", "num_threads", "prestart", "rank_placement",
+           "spawn_engine", "start"]
 
 log = structlog.get_logger("molt.cluster")
+_early: dict[str, threading.Event] = {}     # "up": set once prestart's ray.init has returned
+
+
+@contextmanager
+def prestart(recipe: str, overrides: list[str]) -> Iterator[None]:
+    """Inside, `recipe`'s local Ray starts in a thread while the driver imports torch,
+    transformers and the plugins (seconds each); `init_ray` takes it, an error stops it. Not with
+    `ray.address`, plugin config sections (unread before the plugins load) or torch imported."""
+    try:
+        cfg = load_config(recipe, overrides)
+    except ConfigError:
+        cfg = None
+    if cfg and not (cfg.ray.address or ray.is_initialized() or _early or "torch" in sys.modules):
+        _early["up"] = threading.Event()
+        threading.Thread(target=_start_local, args=(cfg, _early["up"]), daemon=True).start()
+    try:
+        yield
+    except BaseException:           # no run, no Ray
+        if _early:
+            _early.pop("up").wait()
+            ray.shutdown()
+        raise
 
 
 def init_ray(cfg: Config) -> bool:
-    """Connect to `ray.address` or start a local Ray; returns True if this call started it."""
+    """Connect to `ray.address` or start a local Ray (or take `prestart`'s): True if started."""
+    if early := _early.pop("up", None):
+        early.wait()
     if ray.is_initialized():
+        return bool(early)
+    if cfg.ray.address:    # quiet console: no weight-loading bar per actor
+        ray.init(address=cfg.ray.address,
+                 runtime_env={"env_vars": {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}})
         return False
-    # quiet console: no weight-loading bar per actor, no notice that local Ray uses token auth
-    quiet = {"runtime_env": {"env_vars": {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}},
-             "log_to_driver": True}
-    if cfg.ray.address:
-        ray.init(address=cfg.ray.address, **quiet)
-        return False
+    _start_local(cfg)
+    return True
+
+
+def _start_local(cfg: Config, up: threading.Event | None = None) -> None:
+    # inherited by the workers: unlike a runtime_env, leaves those started ahead usable (~1 s)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("RAY_worker_niceness", "0")   # Ray's default 15 starves the actors
     os.environ.setdefault("RAY_TMPDIR", os.path.join(tempfile.gettempdir(), "molt-ray"))
     os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
-    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
-        lambda r: "Token authentication is enabled for this" not in r.getMessage())
-    os.environ.setdefault("RAY_worker_niceness", "0")   # Ray's default 15 starves the actors
-    ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False,
-             _temp_dir=os.environ["RAY_TMPDIR"], **quiet)
-    return True
+    for name in ("ray._private.authentication.authentication_token_setup", "ray._private.worker"):
+        logging.getLogger(name).addFilter(lambda r: not r.getMessage().startswith(
+            ("Token authentication is enabled for this", "SIGTERM handler is not set")))
+    try:
+        ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False,
+                 _temp_dir=os.environ["RAY_TMPDIR"], logging_level=logging.WARNING)
+    finally:
+        if up:      # prestart's thread (a failure: init_ray retries and raises it)
+            up.set()
+    if up:          # Ray's daemons die with the thread that started them
+        threading.Event().wait()
 
 
 def actor_options(cfg: Config, has_gpus: bool) -> tuple[dict, dict]:
@@ -130,6 +167,7 @@ class EngineRestarts:
     def after_train(self, scheme: Any, step: int) -> int:
         """`scheme.after_train(step)`; if its push met a dead engine, that one is replaced and the
         push of `scheme.version` redone to every engine, requests held."""
+        from molt_core.weight_sync import WeightSyncError   # imports torch: not before prestart
         try:
             return scheme.after_train(step)
         except (WeightSyncError, ray.exceptions.RayActorError):

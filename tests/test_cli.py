@@ -199,3 +199,26 @@ def test_clip_args_that_cannot_act_are_named(capsys, tiny_recipe, steps, inert):
                  "algorithm.loss_args={clip_low: 0.1}", steps]) == 0
     err = capsys.readouterr().err
     assert ("['clip_low'] do not act" in err) == inert, err
+
+
+def test_run_in_a_fresh_process_prestarts_ray_and_stops_it_on_bad_input(tiny_recipe, tmp_path):
+    """`molt run` in a fresh process starts Ray while it imports (cluster.prestart): a run trains
+    and stops its Ray; an error the plugins find after that start is still one line, and leaves
+    no Ray process behind either."""
+    import os
+    import tempfile
+
+    import psutil
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")    # short: Ray's socket paths
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp}
+    run = [sys.executable, "-m", "molt_core", "run", tiny_recipe, f"out_dir={tmp_path}/runs",
+           "trainer.steps=2", "--no-progress"]
+    ok = subprocess.run(run, capture_output=True, text=True, timeout=300, env=env)
+    assert ok.returncode == 0 and "(2 steps)" in ok.stdout, ok.stderr
+    bad = subprocess.run([*run, "agent.args.env=nope"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: unknown env 'nope'"), bad.stderr
+    assert bad.stderr.count("\n") == 1
+    left = [p.pid for p in psutil.process_iter(["cmdline"])
+            if ray_tmp in " ".join(p.info["cmdline"] or [])]
+    assert not left, f"Ray processes left behind: {left}"

@@ -1,0 +1,27 @@
+"""The `molt` commands that are user tools, not the training path: name -> (help, add_args,
+main) as "module:function" strings, imported only when that command runs (molt_core.cli)."""
+
+TOOLS: dict[str, tuple[str, str, str]] = {
+    "plugins": ("list loaded plugins and the hooks they implement", "molt_core.cli:_plugin_args",
+                "molt_tools.plugin_info:main"),
+    "config": ("print the resolved config: every key, its value and its doc",
+               "molt_tools.config_doc:add_args", "molt_tools.config_doc:main"),
+    "report": ("PNG plots of one or more runs' metrics (overlaid)",
+               "molt_tools.report:add_args", "molt_tools.report:main"),
+    "view": ("browse saved trajectories: static HTML file, or the terminal (--terminal)",
+             "molt_tools.view:add_args", "molt_tools.view:main"),
+    "tiny-model": ("build a tiny random-init model + tokenizer locally",
+                   "molt_tools.tiny:add_args", "molt_tools.tiny:main"),
+    "new-plugin": ("generate a plugin package (pyproject, module, test)",
+                   "molt_tools.scaffold:add_args", "molt_tools.scaffold:main"),
+    "pretrained": ("convert a packaged pretrained model into a plain HF directory (offline)",
+                   "molt_tools.pretrained:add_args", "molt_tools.pretrained:main"),
+    "eval": ("evaluate a model or checkpoint on a recipe's held-out prompts",
+             "molt_tools.evaluate:add_args", "molt_tools.evaluate:main"),
+    "serve": ("serve the recipe's policy to agents (engine + chat server, no training)",
+              "molt_tools.agent_dev:serve_args", "molt_tools.agent_dev:serve"),
+    "rollout": ("run the recipe's agent N times, save and show the trajectories (no training)",
+                "molt_tools.agent_dev:rollout_args", "molt_tools.agent_dev:rollout"),
+    "export": ("a checkpoint (or a run dir: its latest) as a plain HF model directory",
+               "molt_tools.export:add_args", "molt_tools.export:main"),
+}

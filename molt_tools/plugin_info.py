@@ -1,0 +1,28 @@
+"""`molt plugins` and `molt --version`: what is installed and what each plugin provides."""
+
+from __future__ import annotations
+
+import argparse
+
+from molt_core.plugins import PluginError, build_plugins
+
+
+def main(args: argparse.Namespace) -> int:
+    plugins = build_plugins(args.plugin, args.blocked)
+    for name, meta in plugins.info.items():
+        provides = ", ".join(f"{k}:{e}" for (k, e), p in plugins.owner.items() if p == name)
+        print(f"{name}  ({meta['distribution']} {meta['version']})\n"
+              f"    hooks:    {', '.join(plugins.hooks_of(name))}\n    provides: {provides}")
+    return 0
+
+
+def version() -> str:
+    from molt_core import HOOK_API_VERSION, __version__
+    lines = [f"molt-core {__version__} (hook API {HOOK_API_VERSION})"]
+    try:
+        plugins = build_plugins()
+    except PluginError as e:
+        return "\n".join([*lines, f"plugins: error: {e}"])
+    lines += [f"  {n}: {m['distribution']} {m['version']}" for n, m in sorted(plugins.info.items())
+              if n != "builtin"]
+    return "\n".join(lines)
