@@ -20,13 +20,23 @@ for a 1-minute load average under 1.0-1.2, load after in brackets; steps 602, 29
                                 +1.48 ms (+2.00 %, s.e. 1.16 %; trimmed +0.84 %) of 73.7 ms (1.9)
   After the cuts (a file per ~10 s of steps, not per step; the fast tokenizer's own decode; no
   garbage collector in the writer; trainer log-probs riding on the training step's reply; numpy
-  log-probs in the hand-off), 1202 steps, 596 pairs, load 0.4 before, 1.8 after:
-                                +1.50 ms (+1.97 %, s.e. 0.85 %; trimmed +1.14 ms, +1.50 %,
-                                s.e. 0.55 %) of 76.2 ms; writer 2.4 ms CPU per saved step,
-                                hand-off 0.4 ms
-  Runs during other jobs' bursts (steps of 160-300 ms) gave s.e. of 7-11 % and are left out.
-  Thread and process cost the same within the noise here: what is left is the writer's CPU
-  (3.4-3.7 ms per saved step, plus 0.3 ms pickling) on a 2-core box, not the GIL.
+  log-probs in the hand-off); load before -> after in brackets:
+    1202 steps, 596 pairs       +1.50 ms (+1.97 %, s.e. 0.85 %; trimmed +1.14 ms, +1.50 %,
+                                s.e. 0.55 %) of 76.2 ms (0.4 -> 1.8)
+    2402 steps, 1196 pairs      +3.40 ms (+3.22 %, s.e. 4.29 %: bursts of other jobs, steps of
+                                105.7 ms on average; trimmed +1.36 ms, +1.29 %, s.e. 0.34 %;
+                                median +1.19 ms) (1.2 -> 2.4)
+    same, decode one segment    +0.63 ms (+0.78 %, s.e. 0.64 %; trimmed +0.43 ms, +0.54 %,
+    at a time (no rayon)        s.e. 0.39 %; median +0.34 ms) of 80.6 ms (1.1 -> 2.6)
+    hand-off only (the process  +0.88 ms (+1.12 %, s.e. 1.00 %; trimmed +0.15 ms, +0.19 %,
+    discards each step)         s.e. 0.38 %; median +0.09 ms) of 78.4 ms (1.2 -> 2.5)
+  CPU per saved step: writer 1.1-1.4 ms (unpickle 0.3-0.5, rows + decode 0.5-0.6, Parquet with
+  ~60 steps a file 0.3: was ~1.2 with a file per step, zstd ~0.01 of it), hand-off 0.19 ms;
+  0.5 KiB of Parquet per saved step (7.5 KiB with a file per step).
+  Runs during other jobs' bursts (steps of 160-300 ms) gave s.e. of 5-11 % and are left out.
+  The hand-off alone costs ~0.2 %: what is left is the writer's CPU, which reaches the loop's
+  steps even at SCHED_IDLE on this 2-core box; a thread would put it (and the GIL) in the loop's
+  own process, so the writer stays a process.
 """
 
 from __future__ import annotations

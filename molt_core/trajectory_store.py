@@ -55,7 +55,7 @@ def trajectory_rows(step: int, trajs: list[Trajectory], tokenizer: Any, trainer_
     starts = [sorted(set(t.segments) | {0}) for t in trajs]
     seqs = [t.token_ids[a:b] for s, t in zip(starts, trajs) for a, b in zip(s, s[1:] + [len(t)])]
     fast = getattr(tokenizer, "backend_tokenizer", None)    # its own decode: the same, 4x quicker
-    texts = iter(fast.decode_batch(seqs, skip_special_tokens=False) if fast and not
+    texts = iter([fast.decode(s, skip_special_tokens=False) for s in seqs] if fast and not
                  tokenizer.clean_up_tokenization_spaces else tokenizer.batch_decode(seqs))
     lp: list = [[]] * len(trajs)
     if trainer_lp is not None:      # one row per non-empty segment, as training_batch
