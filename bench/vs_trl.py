@@ -52,7 +52,29 @@ Semantic differences that remain:
 - Peak RSS: each side's process tree (Molt: driver, Ray's daemons, trainer and engine actors),
   sampled every second; shared pages count once per process.
 
-`addition`, measured 2026-12-01 with shared prompts run once (below), both fp32, 200 steps,
+`addition` now (the engine samples with torch.multinomial; Ray starts in a thread while the Molt
+driver imports, `cluster.prestart`), measured 2026-12-01 12:16-12:28, 200 steps, `--levels
+0.1,0.15,0.2`, two runs, each under the box's heavy-run lock but at load average 2.0-2.6 from
+other sessions' jobs (not a quiet box): median step 0.36 / 0.38 s (TRL), 0.22 / 0.25 s (Molt
+sync, 0.61x / 0.66x), 0.19 / 0.20 s (async, 0.52x / 0.54x); generation per step 0.058 / 0.065 s
+vs 0.088 / 0.098 s (sync, 1.5x) and 0.009 s (async); start-up to the first step done 5.1 / 5.8 s
+vs 12.2 / 11.7 s (sync, 2.4x / 2.0x) and 11.3 / 12.7 s (async); wall time from launch to a
+10-step mean reward of 0.1: 29.8 / 30.7 s vs 26.5 / 27.5 s (0.89x / 0.89x) and 22.6 / 24.4 s
+(0.76x / 0.79x), of 0.2: 41.5 / 43.9 s vs 33.9 / 35.1 s (0.82x / 0.80x) and 28.7 / 32.8 s (0.69x
+/ 0.75x); final reward 0.25 on every side. Both sides reach 0.2 after ~100 steps, so a ratio of
+0.5 needs shorter steps as well as a shorter start-up: at this load 100 Molt sync steps alone
+take ~22 s of TRL's ~42 s. Start-up measured apart (launch to the first step done, 3
+alternating runs each, load ~1.9): 15.8 s (16.3, 14.5, 16.7) with Ray started after the driver's
+imports and a runtime_env, 11.2 s (11.0, 12.0, 10.7) with `prestart` and the environment
+inherited instead (Ray's workers started ahead of the job then serve the actors). What is left
+is CPU on 2 cores: the driver's imports (~3.5 s: torch, transformers' auto classes, which
+`AutoTokenizer` pulls in too), Ray's daemons (~3 s: autoscaler monitor, dashboard head, log
+monitor, dashboard agent, runtime-env agent) and each actor importing torch and transformers
+(~3.7 s each). Preloading torch and transformers in Ray's prestarted workers
+(`preload_python_modules`) gave nothing more: the cores are already busy.
+
+`addition` before (inverse-CDF draw, Ray started after the driver's imports), measured 2026-12-01
+with shared prompts run once (below), both fp32, 200 steps,
 `--levels 0.1,0.15,0.2`, load average 1.8-3.5: median step 0.39 s (TRL), 0.18 s (Molt sync, 0.47x),
 0.15 s (Molt async, 0.39x); generation per step 0.071 s vs 0.060 s (sync, 0.85x) and 0.008 s (async:
 what the driver waits; the engine samples while the trainer trains); start-up to the first step done
