@@ -30,13 +30,16 @@ for a 1-minute load average under 1.0-1.2, load after in brackets; steps 602, 29
     at a time (no rayon)        s.e. 0.39 %; median +0.34 ms) of 80.6 ms (1.1 -> 2.6)
     hand-off only (the process  +0.88 ms (+1.12 %, s.e. 1.00 %; trimmed +0.15 ms, +0.19 %,
     discards each step)         s.e. 0.38 %; median +0.09 ms) of 78.4 ms (1.2 -> 2.5)
+    the same cuts in a plain    +1.61 ms (+1.74 %, s.e. 0.67 %; trimmed +1.01 ms, +1.09 %,
+    thread of the loop          s.e. 0.47 %; median +0.50 ms) of 92.6 ms (1.2 -> 2.2)
   CPU per saved step: writer 1.1-1.4 ms (unpickle 0.3-0.5, rows + decode 0.5-0.6, Parquet with
   ~60 steps a file 0.3: was ~1.2 with a file per step, zstd ~0.01 of it), hand-off 0.19 ms;
   0.5 KiB of Parquet per saved step (7.5 KiB with a file per step).
   Runs during other jobs' bursts (steps of 160-300 ms) gave s.e. of 5-11 % and are left out.
   The hand-off alone costs ~0.2 %: what is left is the writer's CPU, which reaches the loop's
-  steps even at SCHED_IDLE on this 2-core box; a thread would put it (and the GIL) in the loop's
-  own process, so the writer stays a process.
+  steps even at SCHED_IDLE on this 2-core box. A thread costs the same within the noise here, but
+  it holds the loop's GIL for all of that work (long rollouts: much more than here) and a killed
+  loop loses its unwritten steps, so the writer stays a process.
 """
 
 from __future__ import annotations
