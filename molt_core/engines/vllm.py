@@ -100,6 +100,10 @@ class VLLMEngine:
         # "auto" (one NUMA node per rank, pinned).
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ["OMP_NUM_THREADS"] = str(num_threads)   # Ray presets it (1 at num_cpus=0)
+        # vllm-cpu re-packs each GEMM weight into a new buffer per update: glibc's heap reuses
+        # the freed ones, where it would map big ones (lm_head) afresh and fault them in by page
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
+        os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
         # vLLM logs INFO lines at every weight sync (pause state, prefix cache): warnings only,
         # here and in its engine-core process (`VLLM_LOGGING_LEVEL=INFO` brings them back)
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -380,18 +384,15 @@ def _split_routing(rows: Any, n_prompt: int, n_tokens: int, layers: list[int]
 def _sampled_logprob(entry: Any, token: int) -> float:
     if entry is None or token not in entry:
         raise RuntimeError(f"vLLM returned no log-prob for sampled token {token}")
-    lp = entry[token]
-    return float(getattr(lp, "logprob", lp))
+    return float(getattr(entry[token], "logprob", entry[token]))
 
 
 def _expand_versions(spans: Any, n: int, current: int) -> list[int]:
     """vLLM's [start, end) weight-version spans -> one int per output token.
 
     The label is vLLM's "default" until the first update: that is version 0."""
-    if not spans:
-        return [current] * n
     out = [current] * n
-    for s in spans:
+    for s in spans or ():
         v = int(s.version) if str(s.version).lstrip("-").isdigit() else 0
         out[s.start:s.end] = [v] * (s.end - s.start)
     return out
