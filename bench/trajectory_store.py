@@ -32,6 +32,8 @@ for a 1-minute load average under 1.0-1.2, load after in brackets; steps 602, 29
     discards each step)         s.e. 0.38 %; median +0.09 ms) of 78.4 ms (1.2 -> 2.5)
     the same cuts in a plain    +1.61 ms (+1.74 %, s.e. 0.67 %; trimmed +1.01 ms, +1.09 %,
     thread of the loop          s.e. 0.47 %; median +0.50 ms) of 92.6 ms (1.2 -> 2.2)
+    nothing saved (A/A: the    -0.52 ms (-0.58 %, s.e. 0.83 %; trimmed -0.17 ms, -0.19 %,
+    bench's own bias)           s.e. 0.41 %; median -0.42 ms) of 90.0 ms (1.2 -> 2.3)
   CPU per saved step: writer 1.1-1.4 ms (unpickle 0.3-0.5, rows + decode 0.5-0.6, Parquet with
   ~60 steps a file 0.3: was ~1.2 with a file per step, zstd ~0.01 of it), hand-off 0.19 ms;
   0.5 KiB of Parquet per saved step (7.5 KiB with a file per step).
