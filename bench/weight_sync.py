@@ -26,8 +26,8 @@ in-process path writes a bucket into a second slot while the previous one loads 
 new packed buffer was a fresh glibc mapping faulted in page by page (25k faults per sync, nearly
 all the 94 MiB lm_head: its re-pack 38 ms of 2 threads' ~95, 14 ms without faults): vLLM's processes
 now get `MALLOC_MMAP_THRESHOLD_`/`MALLOC_TRIM_THRESHOLD_` 1 GiB, the freed buffers are reused (2
-threads, load 1.3-1.5: shm 176 ms, 22 %; in-process 172 ms, 23 %; alternated runs best 174-180 ms
-against 190-194 without). What is left on 2 threads: the re-pack ~67-70 ms op-level (qkv 4.5, o 3.9,
+threads, load 1.3-3: shm 176-204 ms, 17-22 %; in-process 172-176 ms, 19-23 %; 1 thread shm 225,
+in-process 234 ms; alternated runs best 174-180 ms against 190-194 without). What is left on 2 threads: the re-pack ~67-70 ms op-level (qkv 4.5, o 3.9,
 gate_up 5.8, down 5.0, lm_head 6.6 GiB/s), slower inside the engine because vLLM's engine-core
 process spins (sched_yield) for 1 s after each reply while it waits for the worker, 0.04-0.15 CPU-s
 per sync on the cores the worker's two OpenMP threads pack on.
