@@ -173,26 +173,24 @@ class Trajectory:
 def collate(trajs: list[Trajectory], advantages: list[list[float]], pad_id: int = 0
             ) -> dict[str, torch.Tensor]:
     """Right-pad trajectories into [B, T] tensors; `advantages[i]` is per token of trajs[i]."""
-    T = max(len(t) for t in trajs)
-    B = len(trajs)
-    out = {
-        "input_ids": torch.full((B, T), pad_id, dtype=torch.long),
-        "attention_mask": torch.zeros(B, T, dtype=torch.bool),
-        "loss_mask": torch.zeros(B, T, dtype=torch.bool),
-        "behavior_logprobs": torch.zeros(B, T, dtype=torch.float32),
-        "advantages": torch.zeros(B, T, dtype=torch.float32),
-        "versions": torch.full((B, T), -1, dtype=torch.long),
-    }
-    for i, (t, adv) in enumerate(zip(trajs, advantages)):
-        n = len(t)
+    lens = [len(t) for t in trajs]
+    B, T = len(trajs), max(lens)
+    for i, (n, adv) in enumerate(zip(lens, advantages)):
         if len(adv) != n:
             raise InvariantError(f"advantages for trajectory {i} have {len(adv)} entries for {n} tokens")
-        out["input_ids"][i, :n] = torch.tensor(t.token_ids)
-        out["attention_mask"][i, :n] = True
-        out["loss_mask"][i, :n] = torch.tensor(t.loss_mask)
-        out["behavior_logprobs"][i, :n] = torch.tensor(t.logprobs)
-        out["advantages"][i, :n] = torch.tensor(adv)
-        out["versions"][i, :n] = torch.tensor(t.versions)
+    # one tensor per field from the concatenated rows, scattered by the padding mask (row-major)
+    live = torch.arange(T) < torch.tensor(lens)[:, None]
+
+    def field(rows: Any, dtype: torch.dtype, fill: float) -> torch.Tensor:
+        out = torch.full((B, T), fill, dtype=dtype)
+        out[live] = torch.tensor([x for r in rows for x in r], dtype=dtype)
+        return out
+    out = {"input_ids": field((t.token_ids for t in trajs), torch.long, pad_id),
+           "attention_mask": live,
+           "loss_mask": field((t.loss_mask for t in trajs), torch.bool, False),
+           "behavior_logprobs": field((t.logprobs for t in trajs), torch.float32, 0.0),
+           "advantages": field(advantages, torch.float32, 0.0),
+           "versions": field((t.versions for t in trajs), torch.long, -1)}
     shapes = {(len(t.routed_experts[0]), len(t.routed_experts[0][0]))
               for t in trajs if t.routed_experts}
     if len(shapes) > 1:
