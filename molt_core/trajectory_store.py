@@ -148,8 +148,11 @@ def _serve() -> None:
     out, tokenizer, start = pickle.load(sys.stdin.buffer)
     for f in out.glob("*.parquet"):         # an earlier run's steps from `start` on go
         keep = pq.read_table(f, filters=[("step", "<", start)])
-        if keep.num_rows < pq.read_metadata(f).num_rows:
-            pq.write_table(keep, f) if keep.num_rows else f.unlink()
+        if not keep.num_rows:
+            f.unlink()
+        elif keep.num_rows < pq.read_metadata(f).num_rows:     # atomically, as every file
+            pq.write_table(keep, f"{f}.tmp", compression="zstd")
+            os.replace(f"{f}.tmp", f)
     rows, flushed, step = [], time.monotonic(), 0
     while step is not None:
         try:

@@ -414,8 +414,8 @@ class HFEngine:
         if s["min_p"] > 0.0:
             probs = filtered.softmax(-1)
             filtered[probs < s["min_p"] * probs.max(-1, keepdim=True).values] = -float("inf")
-        # torch.multinomial, not an inverse-CDF draw: that one was ~6 ms/step faster here, but
-        # every multi-token learning test learned far less with it (cispo 0.61 -> 0.21; unexplained)
+        # torch.multinomial, not an inverse-CDF draw (35x faster): grpo learned less with that on
+        # 5 of 6 seeds (mean 0.36 vs 0.52), though both sample the right distribution
         tokens = torch.multinomial(filtered.softmax(-1), 1, generator=self.generator).squeeze(1)
         return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
