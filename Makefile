@@ -9,7 +9,7 @@ RECIPE ?= recipes/cpu/next_letter.yaml
 
 SMOLLM2 := .cache/smollm2-135m-instruct
 
-.PHONY: install install-test run test bench clean venv-vllm test-vllm pretrained bench-smollm2 venv-trl bench-trl bench-trl-smollm2 dist
+.PHONY: install install-test run test bench clean venv-vllm test-vllm pretrained bench-smollm2 venv-trl bench-trl bench-trl-system bench-trl-smollm2 dist
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -110,6 +110,9 @@ venv-trl: $(TVENV)/.installed
 
 bench-trl: install venv-trl
 	$(BIN)/python bench/vs_trl.py
+
+bench-trl-system: install venv-trl
+	$(BIN)/python bench/vs_trl.py --workload addition-system --levels 0.1,0.2,0.25
 
 bench-trl-smollm2: pretrained venv-trl
 	$(BIN)/python bench/vs_trl.py --workload smollm2

@@ -19,6 +19,11 @@ lr 1e-3 constant, AdamW (0.9, 0.999), no weight decay, grad clip 1, no KL, entro
 token-mean loss over the whole batch (TRL `loss_type="dapo"`), rewards normalised by the group's
 mean and std, one optimizer step per batch.
 
+Workload `addition-system`: the same, behind a 44-word system message (instructions, as agent
+prompts carry instructions and tool descriptions): 139 prompt tokens instead of 20, so a group's
+32 rows share 139 of their 143 tokens. Molt's engine prefills a group's prompt once and its
+one-rank trainer runs it once per group; TRL's `generate` and forward run every row whole.
+
 Workload `smollm2` (recipes/cpu/smollm2_arithmetic.yaml, `make pretrained` first): the converted
 SmolLM2-135M-Instruct on one-operation arithmetic word problems (+ and -, operands 2-30, split
 train; held-out: `eval.prompts` problems of split test), system message "Answer with just the
@@ -51,6 +56,16 @@ Semantic differences that remain:
   whole. Same log-probs and gradients up to fp32 rounding.
 - Peak RSS: each side's process tree (Molt: driver, Ray's daemons, trainer and engine actors),
   sampled every second; shared pages count once per process.
+
+`addition-system`, measured 2026-12-01 14:40-14:53 (trainer batches crossing Ray as numpy), 200
+steps, `--levels 0.1,0.15,0.2,0.25`, one run per side at load average 1.7-2.3: median step 2.33 s
+(TRL), 0.45 s (Molt sync, 0.19x), 0.41 s (async, 0.17x); generation per step 0.47 s vs 0.17 s
+(sync, 0.37x); start-up to the first step done 10.6 s vs 15.9 s (sync) and 17.7 s (async); wall
+time from launch to a 10-step mean reward of 0.1: 148 s vs 44 s (0.30x) and 43 s (0.29x), of 0.2:
+223 s vs 55 s (0.25x) and 57 s (0.26x), of 0.25: 281 s vs 71 s (0.25x) and 80 s (0.29x); final
+reward 0.25 on every side; both sides reach 0.2 after ~90-100 steps. Async takes 9 % shorter steps
+than sync here but no less time to a reward: with 2 cores, each of engine and trainer gets one
+thread while they overlap, so both phases run slower.
 
 `addition` now (the engine samples with torch.multinomial; Ray starts in a thread while the Molt
 driver imports, `cluster.prestart`), measured 2026-12-01 12:16-12:28, 200 steps, `--levels
@@ -122,7 +137,7 @@ the trainer, 6.4 GiB). Other jobs' load hit both sides at different times (TRL's
 34-109 s and 6-10 ~21 s, later ones ~15 s; Molt's steps 12-17 and 21 took 20-54 s): the per-step
 medians are the steadier speed ratio; 30 steps summed 11.1 min (TRL) and 9.1 min (Molt).
 
-    python bench/vs_trl.py [--workload addition|smollm2] [--steps N] [--schemes sync,async]
+    python bench/vs_trl.py [--workload addition|addition-system|smollm2] [--steps N] [--schemes sync,async]
                            [--levels 0.3,0.5] [--acc-levels 0.3,0.5,0.7] [--window 10]
                            [--threads N] [key=value ...]
     make bench-trl; make bench-trl-smollm2    (--workload smollm2 needs make pretrained)
@@ -146,6 +161,15 @@ WORKLOADS = {
     # the bench always adds
     "addition": {"model": ".cache/tiny-qwen3", "recipe": "recipes/cpu/addition.yaml",
                  "reward": "first_digit", "schemes": "sync,async", "overrides": []},
+    # the same task behind a system prompt (139 prompt tokens instead of 20), as agent prompts
+    # carry instructions and tool descriptions; a group's 32 rows share all but their 4 answers
+    "addition-system": {"model": ".cache/tiny-qwen3", "recipe": "recipes/cpu/addition.yaml",
+                        "reward": "first_digit", "schemes": "sync,async", "overrides": [
+                            "agent.args.system_prompt=" + json.dumps(
+                                "You are a careful arithmetic assistant. The user asks for the "
+                                "sum of two small numbers. Reply with the sum as a single digit "
+                                "and nothing else, no words, no punctuation, no spaces. Think of "
+                                "the two numbers, add them, and answer at once.")]},
     "smollm2": {"model": ".cache/smollm2-135m-instruct",
                 "recipe": "recipes/cpu/smollm2_arithmetic.yaml", "reward": "math",
                 "schemes": "sync", "overrides": ["eval.k=0"]},
@@ -443,7 +467,7 @@ def main() -> None:
               *([f"seed={args.seed}"] if args.seed is not None else []),
               *([f"ray.num_cpus={args.threads}"] if args.threads else []), *args.overrides]
     if not (ROOT / w["model"] / "config.json").exists():
-        if args.workload != "addition":
+        if not args.workload.startswith("addition"):
             raise SystemExit(f"{w['model']} is missing: make pretrained")
         from molt_tools.tiny import build_tiny_model
         build_tiny_model(ROOT / w["model"])
