@@ -137,6 +137,7 @@ class VLLMEngine:
         self._update_version: int | None = None
         self._request_ids = itertools.count()
         self._channel = ShmChannel()        # `update_weights`' two slots, kept mapped
+        self._slot, self._shm_order = 1, asyncio.Lock()     # last slot filled; buckets in order
         self._requests = Requests()
         self._stats = {"requests": 0, "tokens_generated": 0, "weight_updates": 0,
                        "weight_bytes": 0, "weight_update_s": 0.0, "start_s": 0.0,
@@ -270,7 +271,7 @@ class VLLMEngine:
         """Load one bucket by HF name on every worker (the first pauses decoding until
         `finish_weight_update(version)`); returns once it is in one of two shared-memory slots:
         it loads meanwhile (the slot's next call and `finish_weight_update` wait, or raise)."""
-        self._slot = slot = self.__dict__.get("_slot", 1) ^ 1
+        self._slot = slot = self._slot ^ 1
         await asyncio.gather(*self._channel.loading[slot])
         t0 = time.perf_counter()
         path, metas, size = self._channel.fill(slot, named_tensors)
@@ -297,7 +298,7 @@ class VLLMEngine:
     async def receive_shm(self, path: str, size: int, metas: list[Meta], version: int) -> None:
         """Shared-memory transport: every worker loads one bucket straight from trainer rank 0's
         `weight_sync.ShmChannel` file; the first bucket pauses decoding as above."""
-        async with self.__dict__.setdefault("_shm_order", asyncio.Lock()):   # buckets in flight
+        async with self._shm_order:
             await self._load("molt_load_bucket", (path, size), metas, version)   # come in order
 
     async def _load(self, method: str, args: tuple, metas: list[Meta], version: int) -> None:
