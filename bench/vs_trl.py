@@ -57,15 +57,21 @@ Semantic differences that remain:
 - Peak RSS: each side's process tree (Molt: driver, Ray's daemons, trainer and engine actors),
   sampled every second; shared pages count once per process.
 
-`addition-system`, measured 2026-12-01 14:40-14:53 (trainer batches crossing Ray as numpy), 200
-steps, `--levels 0.1,0.15,0.2,0.25`, one run per side at load average 1.7-2.3: median step 2.33 s
-(TRL), 0.45 s (Molt sync, 0.19x), 0.41 s (async, 0.17x); generation per step 0.47 s vs 0.17 s
-(sync, 0.37x); start-up to the first step done 10.6 s vs 15.9 s (sync) and 17.7 s (async); wall
-time from launch to a 10-step mean reward of 0.1: 148 s vs 44 s (0.30x) and 43 s (0.29x), of 0.2:
-223 s vs 55 s (0.25x) and 57 s (0.26x), of 0.25: 281 s vs 71 s (0.25x) and 80 s (0.29x); final
-reward 0.25 on every side; both sides reach 0.2 after ~90-100 steps. Async takes 9 % shorter steps
-than sync here but no less time to a reward: with 2 cores, each of engine and trainer gets one
-thread while they overlap, so both phases run slower.
+`addition-system`, measured 2026-12-01 14:40-15:14 (trainer batches crossing Ray as numpy), 200
+steps, `--levels 0.1,0.15,0.2,0.25`, two runs at load average 1.7-2.5: median step 2.33 / 2.31 s
+(TRL), 0.45 / 0.42 s (Molt sync, 0.19x / 0.18x), 0.41 / 0.36 s (async, 0.17x / 0.16x); generation
+per step 0.47 / 0.45 s vs 0.17 / 0.16 s (sync, 0.37x / 0.36x); start-up to the first step done
+10.6 / 7.7 s vs 15.9 / 14.9 s (sync) and 17.7 / 14.7 s (async); wall time from launch to a 10-step
+mean reward of 0.1: 148 / 145 s vs 44 / 42 s (0.30x / 0.29x) and 43 / 38 s (0.29x / 0.27x), of 0.2:
+223 / 216 s vs 55 / 53 s (0.25x / 0.24x) and 57 / 51 s (0.26x / 0.23x), of 0.25: 281 / 277 s vs 71
+/ 67 s (0.25x / 0.24x) and 80 / 71 s (0.29x / 0.26x); final reward 0.25 on every side; both sides
+reach 0.2 after ~90-100 steps. Async takes 10-15 % shorter steps than sync here but about the same
+time to a reward: on 2 cores engine and trainer get one thread each while they overlap.
+
+`addition` with the same code (one run, load 1.6-1.8; TRL's start-up was slow this time, 19.5 s
+against 5-8 s in every other run): median step 0.43 s (TRL), 0.20 s (sync, 0.46x), 0.15 s (async,
+0.34x); generation 0.069 s vs 0.089 s (sync, 1.29x); wall time to a mean reward of 0.2: 61 s vs
+38 s (0.62x) and 29 s (0.46x).
 
 `addition` now (the engine samples with torch.multinomial; Ray starts in a thread while the Molt
 driver imports, `cluster.prestart`), measured 2026-12-01 12:16-12:28, 200 steps, `--levels
