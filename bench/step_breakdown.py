@@ -3,11 +3,14 @@ optimizer, weight sync, and everything else (framework overhead), as fractions o
 
     python bench/step_breakdown.py [recipe] [key=value ...]
 
-Measured 2026-12-01 (next_letter, 16x8 rollouts, 1 rank, 1 engine, load 0.8-1.7): steps of 65-100
-ms; framework overhead 10-13 % of a step (was 18.6 % before `collate` built one tensor per field
-instead of five per row: the loop's own part went 6.8 -> 3.0 ms). What is left is mostly the train
-call's Ray round trip, 5-9 ms: ~4.3 ms from submit to the worker's entry and ~3.3 ms from its
-return to the driver holding the reply (the batch's pickling is ~0.7 ms of that).
+Measured 2026-12-01 (next_letter, 16x8 rollouts, 1 rank, 1 engine, load 0.8-1.7): steps of 62-81
+ms; framework overhead 10.0-10.8 % of a step in six runs (18.6 % before `collate` built one tensor
+per field instead of five per row, 10.8-13.1 % before the trainer's batches crossed Ray as numpy:
+its tensor path costs ~0.2 ms per tensor). What is left: the train call's Ray hop, 2.0 ms from
+submit to the worker's first line and 1.5 ms from its return to the driver (a no-op Ray call is
+0.7 ms round trip here), and the loop's own work, ~3 ms (`training_batch` 1.4-2.0, rollout
+metrics 0.6, the metrics sink 0.3). A one-rank trainer in the driver's process (an experiment,
+not landed) measured 7.8-8.2 % against 10.5-10.6 % with the actor.
 """
 
 from __future__ import annotations
