@@ -59,13 +59,13 @@ def training_batch(trajs: list[Trajectory], estimator: Callable, alg: AlgorithmC
     `returns`, `old_values` for per-token estimators). Returns the batch, the advantages of the
     estimator's units (rollouts, or trainable tokens) and metrics."""
     rows = [(s, i) for i, t in enumerate(trajs) for s in t.split_segments()]
-    batch = collate([s for s, _ in rows], [[0.0] * len(s) for s, _ in rows], pad_id=pad_id)
+    batch = collate([s for s, _ in rows], None, pad_id=pad_id)
     traj_of = torch.tensor([i for _, i in rows])                           # [B]
     mask = batch["loss_mask"]
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
     group_index = torch.tensor([t.group_id for t in trajs])
     batch["group_index"] = group_index[traj_of][:, None]                 # [B, 1], for losses
-    extra = opt_in(estimator, rollouts=Rollouts.of(trajs) if trajs else None)
+    extra = {k: Rollouts.of(trajs) for k in opt_in(estimator, rollouts=None)}
     metrics: dict[str, float] = {}
     kl = torch.zeros(mask.shape)
     terms = alg.terms

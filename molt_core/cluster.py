@@ -1,6 +1,7 @@
 """Ray placement: start (or join) Ray, start trainer ranks and rollout engines, clean up.
 
-Each trainer rank and each engine is one Ray actor; what it reserves (GPUs, CPUs, custom
+Each trainer rank and each engine is one Ray actor (one CPU rank reserving nothing: in the
+driver's process, `Policy`); what it reserves (GPUs, CPUs, custom
 resources that pin roles to nodes) comes from the config (`actor_options`) and is checked against
 the cluster before anything starts (`check_resources`).
 """
@@ -284,10 +285,12 @@ def start(cfg: Config, plugins: Any, trainer: bool = True) -> Iterator[tuple[Any
         log.info("cluster_ready", engines=len(engines), trainer_ranks=cfg.trainer.num_ranks,
                  threads={"rank": rank_threads, "engine": engine_threads},
                  rank_resources=_need(rank_opts), engine_resources=_need(engine_opts),
-                 rank_nodes=_placement(getattr(policy, "workers", [])),
+                 rank_nodes="driver" if getattr(policy, "in_driver", False)
+                 else _placement(getattr(policy, "workers", [])),
                  engine_nodes=_placement(engines))
         yield policy, engines
     finally:
+        gc.unfreeze()                    # what this run leaves may be collected
         if policy is not None:
             policy.shutdown()
         for e in engines:

@@ -470,11 +470,12 @@ def version_lag_metrics(trajs: list[Trajectory], version: int) -> dict[str, floa
     """Distribution of `version - token version` over trainable tokens: mean, max and the
     fraction of tokens at each lag (`rollout/version_lag/k`); the fraction of trajectories
     sampled by more than one version (`rollout/multi_version`: partial rollout)."""
-    lags = Counter(version - v for t in trajs for m, v in zip(t.loss_mask, t.versions) if m)
+    trained = [list(itertools.compress(t.versions, t.loss_mask)) for t in trajs]
+    lags = {version - v: c for v, c in Counter(itertools.chain.from_iterable(trained)).items()}
     n = sum(lags.values())
     if not n:
         return {}
-    multi = sum(len({v for m, v in zip(t.loss_mask, t.versions) if m}) > 1 for t in trajs)
+    multi = sum(len(set(vs)) > 1 for vs in trained)
     out = {"rollout/version_lag_mean": sum(k * c for k, c in lags.items()) / n,
            "rollout/version_lag_max": float(max(lags)), "rollout/multi_version": multi / len(trajs)}
     out.update({f"rollout/version_lag/{k}": c / n for k, c in sorted(lags.items())})

@@ -1,4 +1,5 @@
-"""Trainer backend `fsdp2`: an HF causal LM sharded with torch `fully_shard`, a Ray actor per rank.
+"""Trainer backend `fsdp2`: an HF causal LM sharded with torch `fully_shard`, a Ray actor per rank
+(one CPU rank reserving nothing: in the driver's process, `trainer.in_driver`).
 
 `PolicyWorker` is one rank (gloo on CPU, NCCL on CUDA). `Policy` is the driver-side handle: it
 splits a collated batch evenly across ranks, counts the step's global normalisers and merges the
@@ -10,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from datetime import timedelta
@@ -39,7 +41,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class PolicyWorker:
-    """One FSDP2 rank. Plain class; `Policy` runs it as a Ray actor."""
+    """One FSDP2 rank. Plain class; `Policy` runs it as a Ray actor (one CPU rank: in the
+    driver's process, `trainer.in_driver`)."""
 
     share_context = False                # token_logprobs' shared contexts (`_build_model`)
 
@@ -428,6 +431,28 @@ def _pad_rows(batch: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]
     return out
 
 
+class _InDriver:
+    """A rank in the driver's process, called as its actor would be: `w.method.remote(...)` runs
+    the call at once and returns its value (`Policy._get` passes it through)."""
+
+    def __init__(self, cls: type, *args: Any, **kwargs: Any) -> None:
+        self.threads = torch.get_num_threads()
+        try:
+            self.worker = cls(*args, **kwargs)
+        except BaseException:
+            self.close()
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return types.SimpleNamespace(remote=getattr(self.worker, name))
+
+    def close(self) -> None:        # the driver gets its threads back; a later Policy may start
+        torch.set_num_threads(self.threads)
+        self.worker = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 class Policy:
     """Driver handle for `num_ranks` FSDP2 `PolicyWorker` actors.
 
@@ -444,13 +469,19 @@ class Policy:
         self.replicas = trainer_cfg.tp_size * trainer_cfg.cp_size   # ranks per data shard
         self.nonfinite_steps = self._nonfinite_run = 0
         self._prox: torch.Tensor | None = None
-        options, host, port, self._pg = cluster.rank_placement(
-            n, actor_options or {"num_cpus": 0, "num_gpus": int(torch.cuda.is_available()),
-                                 "resources": {}}, trainer_cfg.timeout_s)
+        actor_options = actor_options or {"num_cpus": 0, "resources": {},
+                                          "num_gpus": int(torch.cuda.is_available())}
+        options, host, port, self._pg = cluster.rank_placement(n, actor_options,
+                                                               trainer_cfg.timeout_s)
+        args = dict(dtype=dtype, trainer=asdict(trainer_cfg), seed=seed, num_threads=num_threads)
+        # one process group per process; a rank that reserves something is placed by Ray
+        self.in_driver = (trainer_cfg.in_driver and n == 1 and not torch.cuda.is_available()
+                          and not cluster._need(actor_options) and not dist.is_initialized())
+        if self.in_driver:
+            self.workers = [_InDriver(self.worker_cls, 0, 1, host, port, model_path, **args)]
+            return
         actor = ray.remote(self.worker_cls)
-        self.workers = [actor.options(**options[r]).remote(
-                            r, n, host, port, model_path, dtype=dtype,
-                            trainer=asdict(trainer_cfg), seed=seed, num_threads=num_threads)
+        self.workers = [actor.options(**options[r]).remote(r, n, host, port, model_path, **args)
                         for r in range(n)]
         try:
             ray.get([w.ready.remote() for w in self.workers], timeout=trainer_cfg.timeout_s)
@@ -464,10 +495,13 @@ class Policy:
         B = batch["input_ids"].shape[0]
         per = math.ceil(B / n)
         batch = _pad_rows(batch, per * n - B)
-        return [{k: _wire(v[d * per:(d + 1) * per]) for k, v in batch.items()}
+        wire = (lambda t: t) if self.in_driver else _wire
+        return [{k: wire(v[d * per:(d + 1) * per]) for k, v in batch.items()}
                 for d in range(n) for _ in range(self.replicas)]
 
     def _get(self, refs: list, what: str) -> list:
+        if self.in_driver:
+            return refs                 # the calls' values (`_InDriver`)
         try:
             return ray.get(refs, timeout=self.cfg.timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -566,8 +600,10 @@ class Policy:
     def full_params(self, adapter: bool = False, master: bool = False) -> dict[str, torch.Tensor]:
         """Gathered parameters by HF name (LoRA: merged; `adapter`: the adapter weights only), as
         the engines get them (`master`: the fp32 master weights)."""
-        return self._get([w.full_params.remote(adapter, master) for w in self.workers],
-                         "full_params")[0]
+        out = self._get([w.full_params.remote(adapter, master) for w in self.workers],
+                        "full_params")[0]
+        # in the driver these would be the live parameters, which the next step changes
+        return {k: t.clone() for k, t in out.items()} if self.in_driver else out
 
     def save_checkpoint(self, path: str) -> bool:
         """Every rank writes its shards under `path` (DCP); True when a critic was saved."""
@@ -582,7 +618,9 @@ class Policy:
                                 self.cfg.weight_sync_timeout_s, self.cfg.weight_sync_transport)
 
     def shutdown(self) -> None:
-        for w in self.workers:
+        if self.in_driver and self.workers:
+            self.workers[0].close()
+        for w in self.workers if not self.in_driver else ():
             ray.kill(w)
         self.workers = []
         if self._pg is not None:

@@ -8,10 +8,12 @@ where data crosses into training.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["Completion", "ImageInput", "InvariantError", "Trajectory", "collate"]
@@ -124,7 +126,10 @@ class Trajectory:
 
     def split_segments(self) -> list[Trajectory]:
         """One trajectory per segment: each is a separate training sequence (its tokens never
-        attend to another segment's). They share ids, reward, turn rewards, truncation and info."""
+        attend to another segment's). They share ids, reward, turn rewards, truncation and info.
+        One segment: this trajectory itself."""
+        if not any(self.segments):
+            return [self]
         bounds = sorted(set(self.segments) | {0}) + [len(self)]
         out = []
         for a, b in zip(bounds, bounds[1:]):
@@ -170,27 +175,30 @@ class Trajectory:
                                  "context to be sampled from")
 
 
-def collate(trajs: list[Trajectory], advantages: list[list[float]], pad_id: int = 0
+def collate(trajs: list[Trajectory], advantages: list[list[float]] | None, pad_id: int = 0
             ) -> dict[str, torch.Tensor]:
-    """Right-pad trajectories into [B, T] tensors; `advantages[i]` is per token of trajs[i]."""
+    """Right-pad trajectories into [B, T] tensors; `advantages[i]` is per token of trajs[i]
+    (None: zeros, for the caller to fill)."""
     lens = [len(t) for t in trajs]
     B, T = len(trajs), max(lens)
-    for i, (n, adv) in enumerate(zip(lens, advantages)):
+    for i, (n, adv) in enumerate(zip(lens, advantages or ())):
         if len(adv) != n:
             raise InvariantError(f"advantages for trajectory {i} have {len(adv)} entries for {n} tokens")
-    # one tensor per field from the concatenated rows, scattered by the padding mask (row-major)
-    live = torch.arange(T) < torch.tensor(lens)[:, None]
+    # one array per field from the concatenated rows, scattered by the padding mask (row-major;
+    # numpy's fromiter: a third of torch.tensor's time on a list)
+    live = np.arange(T) < np.array(lens)[:, None]
 
-    def field(rows: Any, dtype: torch.dtype, fill: float) -> torch.Tensor:
-        out = torch.full((B, T), fill, dtype=dtype)
-        out[live] = torch.tensor([x for r in rows for x in r], dtype=dtype)
-        return out
-    out = {"input_ids": field((t.token_ids for t in trajs), torch.long, pad_id),
-           "attention_mask": live,
-           "loss_mask": field((t.loss_mask for t in trajs), torch.bool, False),
-           "behavior_logprobs": field((t.logprobs for t in trajs), torch.float32, 0.0),
-           "advantages": field(advantages, torch.float32, 0.0),
-           "versions": field((t.versions for t in trajs), torch.long, -1)}
+    def field(rows: Any, dtype: type, fill: float) -> torch.Tensor:
+        out = np.full((B, T), fill, dtype=dtype)
+        out[live] = np.fromiter(itertools.chain.from_iterable(rows), dtype, sum(lens))
+        return torch.from_numpy(out)
+    out = {"input_ids": field((t.token_ids for t in trajs), np.int64, pad_id),
+           "attention_mask": torch.from_numpy(live),
+           "loss_mask": field((t.loss_mask for t in trajs), np.bool_, False),
+           "behavior_logprobs": field((t.logprobs for t in trajs), np.float32, 0.0),
+           "advantages": (torch.zeros(B, T) if advantages is None
+                          else field(advantages, np.float32, 0.0)),
+           "versions": field((t.versions for t in trajs), np.int64, -1)}
     shapes = {(len(t.routed_experts[0]), len(t.routed_experts[0][0]))
               for t in trajs if t.routed_experts}
     if len(shapes) > 1:

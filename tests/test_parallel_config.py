@@ -170,7 +170,8 @@ def test_optimizer_offload_is_wired_and_trains(ray_local, tiny_model_dir):
     from molt_grpo import ppo_clip_loss
 
     path = str(tiny_model_dir)
-    policy = Policy(path, dataclasses.replace(TrainerConfig(), num_ranks=1, optimizer_offload=True))
+    policy = Policy(path, dataclasses.replace(TrainerConfig(), num_ranks=1, optimizer_offload=True,
+                                              in_driver=False))     # an actor, to ask its rank
     try:
         kind = ray.get(policy.workers[0].__ray_call__.remote(
             lambda w: type(w.model.model.layers[0]._get_fsdp_state()

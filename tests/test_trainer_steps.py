@@ -48,3 +48,26 @@ def test_mini_batches_make_the_clip_act_in_async(history):
         # ratio to pi_prox: 1 in the first mini-batch step, clipped in the later ones
         assert h["clip_fraction"] > 0.05, h
         assert h["is_weight"] > 0
+
+
+def test_a_rank_in_the_driver_trains_as_its_actor_does(ray_local, tiny_chars_dir):
+    """`trainer.in_driver`: one CPU rank in the driver's process (no Ray hop) gives the same run
+    as the same rank as a Ray actor, step for step, then hands the process back."""
+    import structlog
+    import torch
+    import torch.distributed as dist
+
+    threads, runs = torch.get_num_threads(), {}
+    for in_driver in (True, False):
+        cfg, plugins = load("recipes/cpu/next_letter.yaml", [
+            f"model.path={tiny_chars_dir}", "trainer.steps=4", "rollout.groups_per_step=4",
+            "check.consistency_every=1", f"trainer.in_driver={in_driver}"])
+        with structlog.testing.capture_logs() as logs:
+            runs[in_driver] = train(cfg, plugins, None, progress=False)
+        ready = next(e for e in logs if e["event"] == "cluster_ready")
+        assert (ready["rank_nodes"] == "driver") is in_driver
+        assert not dist.is_initialized() and torch.get_num_threads() == threads
+    keys = ("loss", "grad_norm", "reward/mean", "mismatch/max_abs", "version")
+    assert ([[h[k] for k in keys] for h in runs[True]]
+            == [[h[k] for k in keys] for h in runs[False]])
+    assert runs[True][-1]["version"] == 4 and runs[True][0]["grad_norm"] > 0
