@@ -8,6 +8,10 @@ On the 2-core CI box, idle (2026-11-30): 16 tokens, 20 steps gave sync 3.25 step
 (1.50x), partial 4.84 (1.49x); 24 tokens 1.31x/1.29x (generation then dominates the step); 12 tokens
 1.40x/1.24x. The engine and the trainer each hold one core, so the driver (agents, collate,
 estimator) competes with them for CPU: expect more on a machine with spare cores.
+2026-12-01 (load ~1, faster generation since): 20 steps sync 6.52 steps/s, async 0.99x, partial
+0.99x; 40 steps async 7.93 / 8.39 and partial 7.81 / 8.22 steps/s with the trainer rank in the
+driver's process (`trainer.in_driver`, the default) against async 7.69 / 7.76 and partial 7.12 /
+7.46 with it as an actor (runs alternated).
 
 
     .venv/bin/python bench/async_speedup.py [--steps 20] [--max-new-tokens 16] [key=value ...]

@@ -3,14 +3,15 @@ optimizer, weight sync, and everything else (framework overhead), as fractions o
 
     python bench/step_breakdown.py [recipe] [key=value ...]
 
-Measured 2026-12-01 (next_letter, 16x8 rollouts, 1 rank, 1 engine, load 0.8-1.7): steps of 62-81
-ms; framework overhead 10.0-10.8 % of a step in six runs (18.6 % before `collate` built one tensor
-per field instead of five per row, 10.8-13.1 % before the trainer's batches crossed Ray as numpy:
-its tensor path costs ~0.2 ms per tensor). What is left: the train call's Ray hop, 2.0 ms from
-submit to the worker's first line and 1.5 ms from its return to the driver (a no-op Ray call is
-0.7 ms round trip here), and the loop's own work, ~3 ms (`training_batch` 1.4-2.0, rollout
-metrics 0.6, the metrics sink 0.3). A one-rank trainer in the driver's process (an experiment,
-not landed) measured 7.8-8.2 % against 10.5-10.6 % with the actor.
+Measured 2026-12-01 (next_letter, 16x8 rollouts, 1 rank, 1 engine, load 0.1-1.0): steps of 54-62
+ms; framework overhead 3.1-3.5 % of a step (1.9-2.1 ms: the train call 0.5, the loop 1.4-1.5).
+Before: 18.6 % when `collate` built five tensors per row; 10.8-13.1 % when the trainer's batches
+crossed Ray as tensors (~0.2 ms per tensor); 10.0-10.8 % with numpy, of which the train call's Ray
+hop was ~3.5 ms (2.0 from submit to the rank, 1.5 back; a no-op Ray call is 0.7 ms round trip)
+and the loop ~3 ms. Now one CPU rank runs in the driver's process (`trainer.in_driver`; the same
+run with the rank as an actor, `trainer.in_driver=false`: 9.0 %, its train call 4.6 ms), `collate`
+fills its fields with numpy's `fromiter`, a one-segment rollout is not copied and the version-lag
+metrics take one pass (the loop: ~3 -> 1.2-1.5 ms).
 """
 
 from __future__ import annotations
