@@ -435,22 +435,11 @@ class _InDriver:
     """A rank in the driver's process, called as its actor would be: `w.method.remote(...)` runs
     the call at once and returns its value (`Policy._get` passes it through)."""
 
-    def __init__(self, cls: type, *args: Any, **kwargs: Any) -> None:
-        self.threads = torch.get_num_threads()
-        try:
-            self.worker = cls(*args, **kwargs)
-        except BaseException:
-            self.close()
-            raise
+    def __init__(self, worker: PolicyWorker) -> None:
+        self.worker = worker
 
     def __getattr__(self, name: str) -> Any:
         return types.SimpleNamespace(remote=getattr(self.worker, name))
-
-    def close(self) -> None:        # the driver gets its threads back; a later Policy may start
-        torch.set_num_threads(self.threads)
-        self.worker = None
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 class Policy:
@@ -478,7 +467,12 @@ class Policy:
         self.in_driver = (trainer_cfg.in_driver and n == 1 and not torch.cuda.is_available()
                           and not cluster._need(actor_options) and not dist.is_initialized())
         if self.in_driver:
-            self.workers = [_InDriver(self.worker_cls, 0, 1, host, port, model_path, **args)]
+            self._threads = torch.get_num_threads()     # the driver's, back at shutdown
+            try:
+                self.workers = [_InDriver(self.worker_cls(0, 1, host, port, model_path, **args))]
+            except BaseException:
+                self.shutdown()
+                raise
             return
         actor = ray.remote(self.worker_cls)
         self.workers = [actor.options(**options[r]).remote(r, n, host, port, model_path, **args)
@@ -618,8 +612,10 @@ class Policy:
                                 self.cfg.weight_sync_timeout_s, self.cfg.weight_sync_transport)
 
     def shutdown(self) -> None:
-        if self.in_driver and self.workers:
-            self.workers[0].close()
+        if self.in_driver:          # a later Policy may start in the driver too
+            torch.set_num_threads(self._threads)
+            if dist.is_initialized():
+                dist.destroy_process_group()
         for w in self.workers if not self.in_driver else ():
             ray.kill(w)
         self.workers = []
