@@ -1,27 +1,19 @@
-"""`molt <command>`: one entry per subcommand in `COMMANDS`; tool commands live in `molt_tools`.
-
-Each command parses its own arguments (options and `key=value` overrides in any order), so a
-usage error prints that command's usage. A command is `(help, add_args, main)`; `add_args` and
-`main` may be "module:function" strings, imported only when that command runs.
+"""`molt run` and `molt validate`: a recipe and its plugins loaded and cross-checked (`load`), and
+the training run. The `molt` command's dispatcher and the tool commands live in `molt_tools`.
 """
 
 from __future__ import annotations
 
 import argparse
-import difflib
-import importlib
 import sys
 from pathlib import Path
-from typing import Callable
 
 import structlog
 
 from molt_core.config import Config, ConfigError, load_config, to_dict
-from molt_core.metrics import RunDirError
 from molt_core.plugins import KINDS, PluginError, Plugins, build_plugins
-from molt_tools.commands import TOOLS
 
-__all__ = ["COMMANDS", "load", "main", "parse"]
+__all__ = ["load", "main"]
 
 CHARSET = "abcdefghijklmnopqrstuvwxyz0123456789 ?!.,:;+-*/=()"
 
@@ -124,64 +116,10 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-# name -> (help, add_args(parser), main(args) -> exit code); strings are "module:function".
-COMMANDS: dict[str, tuple[str, Callable | str, Callable | str]] = {
-    "run": ("train with a recipe", _run_args, _run),
-    "validate": ("check a recipe, start nothing", _recipe_args, _validate),
-    **TOOLS,
-}
-
-
-def _resolve(target: Callable | str) -> Callable:
-    if callable(target):
-        return target
-    module, fn = target.split(":")
-    return getattr(importlib.import_module(module), fn)
-
-
-def _top_parser() -> argparse.ArgumentParser:
-    width = max(map(len, COMMANDS)) + 2
-    listing = "\n".join(f"  {n:<{width}}{h}" for n, (h, _, _) in COMMANDS.items())
-    p = argparse.ArgumentParser(prog="molt", usage="molt [--version] COMMAND [ARGS]",
-                                description="Reinforcement learning for LLM agents.",
-                                epilog=f"commands:\n{listing}\n\n`molt COMMAND -h` for its options",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--version", action="store_true", help="core, hook API and plugin versions")
-    p.add_argument("command", nargs="?", metavar="COMMAND")
-    return p
-
-
-def parse(argv: list[str]) -> argparse.Namespace | None:
-    """The command's arguments (`.command`, `.argv` added); None after `--version`."""
-    top = _top_parser()
-    split = next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))
-    ns = top.parse_args(argv[:split + 1])
-    if ns.version:
-        print(_resolve("molt_tools.plugin_info:version")())
-        return None
-    if ns.command not in COMMANDS:
-        close = difflib.get_close_matches(ns.command or "", COMMANDS, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        top.error(f"unknown command {ns.command!r}{hint}" if ns.command else "a COMMAND is required")
-    help_, add_args, _ = COMMANDS[ns.command]
-    sub = argparse.ArgumentParser(prog=f"molt {ns.command}", description=help_)
-    _resolve(add_args)(sub)
-    args = sub.parse_intermixed_args(argv[split + 1:])
-    args.command, args.argv = ns.command, argv
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse(sys.argv[1:] if argv is None else list(argv))
-    if args is None:
-        return 0
-    from molt_core.metrics import configure_logging
-    configure_logging()
-    try:
-        return _resolve(COMMANDS[args.command][2])(args)
-    except (ConfigError, PluginError, RunDirError) as e:   # may come late (once Ray is up)
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    """The `molt` command; its dispatcher lives with the tool commands (`molt_tools.commands`)."""
+    from molt_tools.commands import main as dispatch
+    return dispatch(argv)
 
 
 if __name__ == "__main__":

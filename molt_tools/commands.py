@@ -1,7 +1,26 @@
-"""The `molt` commands that are user tools, not the training path: name -> (help, add_args,
-main) as "module:function" strings, imported only when that command runs (molt_core.cli)."""
+"""The `molt` command: one entry per subcommand in `COMMANDS` (`run` and `validate` from
+`molt_core.cli`, the rest user tools, not the training path).
 
-TOOLS: dict[str, tuple[str, str, str]] = {
+Each command parses its own arguments (options and `key=value` overrides in any order), so a
+usage error prints that command's usage. A command is `(help, add_args, main)` as
+"module:function" strings, imported only when that command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib
+import sys
+from typing import Callable
+
+__all__ = ["COMMANDS", "main", "parse"]
+
+# name -> (help, add_args(parser), main(args) -> exit code)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "run": ("train with a recipe", "molt_core.cli:_run_args", "molt_core.cli:_run"),
+    "validate": ("check a recipe, start nothing", "molt_core.cli:_recipe_args",
+                 "molt_core.cli:_validate"),
     "plugins": ("list loaded plugins and the hooks they implement", "molt_core.cli:_plugin_args",
                 "molt_tools.plugin_info:main"),
     "config": ("print the resolved config: every key, its value and its doc",
@@ -25,3 +44,55 @@ TOOLS: dict[str, tuple[str, str, str]] = {
     "export": ("a checkpoint (or a run dir: its latest) as a plain HF model directory",
                "molt_tools.export:add_args", "molt_tools.export:main"),
 }
+
+
+def _resolve(target: str) -> Callable:
+    module, fn = target.split(":")
+    return getattr(importlib.import_module(module), fn)
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    width = max(map(len, COMMANDS)) + 2
+    listing = "\n".join(f"  {n:<{width}}{h}" for n, (h, _, _) in COMMANDS.items())
+    p = argparse.ArgumentParser(prog="molt", usage="molt [--version] COMMAND [ARGS]",
+                                description="Reinforcement learning for LLM agents.",
+                                epilog=f"commands:\n{listing}\n\n`molt COMMAND -h` for its options",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="store_true", help="core, hook API and plugin versions")
+    p.add_argument("command", nargs="?", metavar="COMMAND")
+    return p
+
+
+def parse(argv: list[str]) -> argparse.Namespace | None:
+    """The command's arguments (`.command`, `.argv` added); None after `--version`."""
+    top = _top_parser()
+    split = next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))
+    ns = top.parse_args(argv[:split + 1])
+    if ns.version:
+        print(_resolve("molt_tools.plugin_info:version")())
+        return None
+    if ns.command not in COMMANDS:
+        close = difflib.get_close_matches(ns.command or "", COMMANDS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        top.error(f"unknown command {ns.command!r}{hint}" if ns.command else "a COMMAND is required")
+    help_, add_args, _ = COMMANDS[ns.command]
+    sub = argparse.ArgumentParser(prog=f"molt {ns.command}", description=help_)
+    _resolve(add_args)(sub)
+    args = sub.parse_intermixed_args(argv[split + 1:])
+    args.command, args.argv = ns.command, argv
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else list(argv))
+    if args is None:
+        return 0
+    from molt_core.config import ConfigError
+    from molt_core.metrics import RunDirError, configure_logging
+    from molt_core.plugins import PluginError
+    configure_logging()
+    try:
+        return _resolve(COMMANDS[args.command][2])(args)
+    except (ConfigError, PluginError, RunDirError) as e:   # may come late (once Ray is up)
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -6,9 +6,10 @@ import threading
 
 import openai
 
-from molt_core.cli import main, parse
-from molt_tools.view import read_trajectories
+from molt_core.cli import main
 from molt_tools.agent_dev import serve
+from molt_tools.commands import parse
+from molt_tools.view import read_trajectories
 
 
 def test_rollout_saves_training_format_and_prints_rewards(ray_local, tiny_recipe, tmp_path,

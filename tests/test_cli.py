@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from molt_core import HOOK_API_VERSION, __version__
-from molt_core.cli import COMMANDS, main, parse
+from molt_core.cli import main
+from molt_tools.commands import COMMANDS, parse
 
 ROOT = Path(__file__).parents[1]
 
