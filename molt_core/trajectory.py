@@ -185,12 +185,12 @@ def collate(trajs: list[Trajectory], advantages: list[list[float]] | None, pad_i
         if len(adv) != n:
             raise InvariantError(f"advantages for trajectory {i} have {len(adv)} entries for {n} tokens")
     # one array per field from the concatenated rows, scattered by the padding mask (row-major;
-    # numpy's fromiter: a third of torch.tensor's time on a list)
+    # numpy's fromiter: a third of torch.tensor's time on a list; a row too long or short raises)
     live = np.arange(T) < np.array(lens)[:, None]
 
     def field(rows: Any, dtype: type, fill: float) -> torch.Tensor:
         out = np.full((B, T), fill, dtype=dtype)
-        out[live] = np.fromiter(itertools.chain.from_iterable(rows), dtype, sum(lens))
+        out[live] = np.fromiter(itertools.chain.from_iterable(rows), dtype)
         return torch.from_numpy(out)
     out = {"input_ids": field((t.token_ids for t in trajs), np.int64, pad_id),
            "attention_mask": torch.from_numpy(live),

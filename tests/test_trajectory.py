@@ -54,3 +54,15 @@ def test_length_mismatch():
 def test_collate_rejects_wrong_advantage_length():
     with pytest.raises(InvariantError, match="advantages for trajectory 0"):
         collate([good()], [[1.0]])
+
+
+def test_collate_never_shifts_a_row_of_the_wrong_length():
+    long, short = good(), good()
+    long.logprobs.append(-2.0)       # one entry too many: the next row's would slide into it
+    short.versions.pop()
+    for bad in (long, short):
+        with pytest.raises(ValueError, match="cannot assign"):
+            collate([bad, good()], None)
+    b = collate([good(), good()], None)      # None: zero advantages, filled by the caller
+    assert b["advantages"].shape == (2, 5) and not b["advantages"].any()
+    assert b["behavior_logprobs"][1].tolist() == [0.0, 0.0, 0.0, -0.5, -1.0]
