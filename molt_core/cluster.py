@@ -26,7 +26,7 @@ from molt_core.config import Config, ConfigError, load_config
 
 __all__ = ["EngineDiedError", "EngineRestarts", "actor_options", "check_resources",
            "engine_kwargs", "init_ray", "num_threads", "prestart", "rank_placement",
-           "spawn_engine", "start"]
+           "reserved", "spawn_engine", "start"]
 
 log = structlog.get_logger("molt.cluster")
 _early: dict[str, threading.Event] = {}     # "up": set once prestart's ray.init has returned
@@ -200,7 +200,7 @@ def rank_placement(n: int, options: dict, timeout_s: float) -> tuple[list[dict],
     One node, or ranks reserving nothing: plain actors on the driver's node. Several nodes: a
     PACK placement group of one bundle per rank, so rank 0's node is known before ranks start.
     """
-    need = _need(options)
+    need = reserved(options)
     if not need or sum(node["Alive"] for node in ray.nodes()) == 1:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
@@ -220,7 +220,8 @@ def rank_placement(n: int, options: dict, timeout_s: float) -> tuple[list[dict],
     return [{**options, "scheduling_strategy": s} for s in in_bundle], host, port, pg
 
 
-def _need(opts: dict) -> dict[str, float]:
+def reserved(opts: dict) -> dict[str, float]:
+    """What an actor's Ray options reserve, {resource: amount > 0} (empty: nothing)."""
     need = {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"], **opts["resources"]}
     return {k: float(v) for k, v in need.items() if v}
 
@@ -229,8 +230,8 @@ def check_resources(cfg: Config, rank_opts: dict, engine_opts: dict,
                     nodes: list[dict[str, float]]) -> None:
     """Raise `ConfigError` unless every actor fits on some node and the totals fit the cluster
     (`nodes`: each alive node's resources). Bin packing across nodes is left to Ray."""
-    roles = [("trainer rank", cfg.trainer.num_ranks, _need(rank_opts), "trainer"),
-             ("engine", cfg.engine.num_engines, _need(engine_opts), "engine")]
+    roles = [("trainer rank", cfg.trainer.num_ranks, reserved(rank_opts), "trainer"),
+             ("engine", cfg.engine.num_engines, reserved(engine_opts), "engine")]
     total = {k: sum(n.get(k, 0.0) for n in nodes) for r in roles for k in r[2]}
     for role, _, need, section in roles:
         if need and not any(all(n.get(k, 0.0) >= v for k, v in need.items()) for n in nodes):
@@ -284,7 +285,7 @@ def start(cfg: Config, plugins: Any, trainer: bool = True) -> Iterator[tuple[Any
         gc.freeze()
         log.info("cluster_ready", engines=len(engines), trainer_ranks=cfg.trainer.num_ranks,
                  threads={"rank": rank_threads, "engine": engine_threads},
-                 rank_resources=_need(rank_opts), engine_resources=_need(engine_opts),
+                 rank_resources=reserved(rank_opts), engine_resources=reserved(engine_opts),
                  rank_nodes="driver" if getattr(policy, "in_driver", False)
                  else _placement(getattr(policy, "workers", [])),
                  engine_nodes=_placement(engines))

@@ -465,7 +465,7 @@ class Policy:
         args = dict(dtype=dtype, trainer=asdict(trainer_cfg), seed=seed, num_threads=num_threads)
         # one process group per process; a rank that reserves something is placed by Ray
         self.in_driver = (trainer_cfg.in_driver and n == 1 and not torch.cuda.is_available()
-                          and not cluster._need(actor_options) and not dist.is_initialized())
+                          and not cluster.reserved(actor_options) and not dist.is_initialized())
         if self.in_driver:
             self._threads = torch.get_num_threads()     # the driver's, back at shutdown
             try:
