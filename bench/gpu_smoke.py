@@ -13,7 +13,7 @@ import sys
 import tempfile
 
 from molt_core.cli import CHARSET, load
-from molt_core.metrics import configure_logging
+from molt_core.run.metrics import configure_logging
 from molt_tools.tiny import build_tiny_model
 from molt_core.trainer import train
 

@@ -20,7 +20,7 @@ import time
 import torch
 
 from molt_core.cli import load
-from molt_core.metrics import configure_logging
+from molt_core.run.metrics import configure_logging
 from molt_core.trainer import train
 
 RECIPE = "recipes/cpu/smollm2_arithmetic.yaml"

@@ -20,7 +20,7 @@ import statistics
 import sys
 
 from molt_core.cli import load
-from molt_core.metrics import configure_logging
+from molt_core.run.metrics import configure_logging
 from molt_core.trainer import train
 
 

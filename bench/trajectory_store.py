@@ -56,9 +56,9 @@ from pathlib import Path
 
 import torch
 
-from molt_core import trajectory_store
+from molt_core.run import trajectory_store
 from molt_core.cli import load
-from molt_core.metrics import configure_logging
+from molt_core.run.metrics import configure_logging
 from molt_core.trainer import train
 
 

@@ -320,7 +320,7 @@ def run_trl(spec: dict) -> dict:
 # --- Molt side ---------------------------------------------------------------------------------
 
 def run_molt(spec: dict) -> dict:
-    from molt_core.cluster import prestart
+    from molt_core.run.cluster import prestart
     with prestart(spec["recipe"], spec["overrides"]):    # as `molt run`: Ray starts meanwhile
         import molt_core.trainer as trainer
         from molt_core import hookimpl
@@ -372,7 +372,7 @@ def prompts(plugins, agent_args: dict, tasks: list[int]) -> list[dict]:
 
 def trl_spec(cfg, plugins, reward: str, threads: int, out_dir: str) -> dict:
     """What the TRL side runs, read from the Molt config both sides share."""
-    from molt_core.eval import EVAL_TASKS
+    from molt_core.rollout.eval import EVAL_TASKS
     alg = cfg.algorithm
     if (alg.estimator, alg.loss, alg.loss_agg, alg.correction) != ("grpo", "ppo_clip",
                                                                    "token-mean", "none"):

@@ -81,13 +81,13 @@ def molt_configure(cfg) -> None:  # noqa: ANN001 - Config, imported lazily
                 "Use trainer.moe_routing=off or freeze_router (the trainer recomputes routing; "
                 "moe/routing_agreement is then not measured), or engine.name=hf (records routing)")
     if cfg.trainer.backend == "automodel":
-        from molt_core.automodel import AUTOMODEL_MISSING, automodel_missing
+        from molt_core.policy.automodel import AUTOMODEL_MISSING, automodel_missing
         if automodel_missing():
             raise ConfigError(AUTOMODEL_MISSING)
 
 
 @hookimpl
 def molt_trainer_backends() -> dict[str, type]:
-    from molt_core.automodel import AutoModelPolicy
-    from molt_core.policy import Policy
+    from molt_core.policy.automodel import AutoModelPolicy
+    from molt_core.policy.handle import Policy
     return {"fsdp2": Policy, "automodel": AutoModelPolicy}

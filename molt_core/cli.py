@@ -90,14 +90,14 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.resume:
-        from molt_core.checkpoint import prepare_resume, resume_recipe
+        from molt_core.run.checkpoint import prepare_resume, resume_recipe
         args.recipe, args.overrides = resume_recipe(args.resume, args.recipe, args.overrides)
     if args.recipe is None:
         raise ConfigError("molt run needs a recipe (or --resume RUN_DIR)")
-    from molt_core.cluster import prestart
+    from molt_core.run.cluster import prestart
     with prestart(args.recipe, args.overrides):     # Ray starts while the plugins import
         cfg, plugins = load(args.recipe, args.overrides, args.plugin, args.blocked)
-    from molt_core.metrics import configure_logging, make_run_dir
+    from molt_core.run.metrics import configure_logging, make_run_dir
     configure_logging(fmt=cfg.log.format)
     from molt_core.trainer import train
     resume = None

@@ -189,7 +189,7 @@ class CheckConfig:
 
 @dataclass
 class EvalConfig:
-    """Held-out evaluation (`molt_core.eval`): before step 0, every `every` steps, at the end."""
+    """Held-out evaluation (`molt_core.rollout.eval`): before step 0, every `every` steps, at the end."""
     every: int = 0                       # steps between evaluations; 0: off
     prompts: int = 32                    # held-out prompts (tasks disjoint from training's)
     k: int = 4                           # sampled rollouts per prompt for pass@k (0: greedy only)

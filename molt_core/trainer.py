@@ -10,16 +10,18 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from molt_core import cluster
+from molt_core.run import cluster
 from molt_core.advantage import opt_in, training_batch
-from molt_core.checkpoint import Checkpointer
+from molt_core.run.checkpoint import Checkpointer
 from molt_core.config import Config
-from molt_core.eval import eval_due, evaluate
-from molt_core.generator import Generator, version_lag_metrics
-from molt_core.metrics import MetricsSink
+from molt_core.rollout.eval import eval_due, evaluate
+from molt_core.rollout.generator import Generator, version_lag_metrics
+from molt_core.rollout.restarts import EngineRestarts
+from molt_core.run.metrics import MetricsSink
 from molt_core.plugins import Plugins
+from molt_core.policy.objective import TrainStep
 from molt_core.trajectory import Trajectory, collate
-from molt_core.trajectory_store import TrajectoryWriter
+from molt_core.run.trajectory_store import TrajectoryWriter
 
 __all__ = ["ForwardConsistencyError", "check_consistency", "probe_consistency", "train"]
 
@@ -43,7 +45,7 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
     with cluster.start(cfg, plugins) as (policy, engines):
         generator = Generator(agent, engines, cfg, tokenizer, vocab_size)
         scheme = plugins.get("rollout_scheme", cfg.rollout.scheme)(cfg, generator, policy, engines)
-        restarts = cluster.EngineRestarts(cfg, plugins, generator,      # replaces dead engines
+        restarts = EngineRestarts(cfg, plugins, generator,      # replaces dead engines
                                           lambda es: policy.push_weights(es, scheme.version))
         ckpt = Checkpointer(cfg, run_dir, policy, engines, generator, scheme, plugins)
         start, version = ckpt.restore(resume)    # version: the weights being trained
@@ -78,10 +80,10 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                                                          cfg.sampling.temperature,
                                                          tokenizer.pad_token_id or 0)
                 t1 = time.perf_counter()
-                loss_args = {**alg.loss_args, **opt_in(loss_fn, step=step)}
-                metrics = policy.train(batch, loss_fn, loss_args, alg.loss_agg,
-                                       cfg.sampling.temperature, alg.correction,
-                                       alg.correction_args, version, asdict(alg.terms))
+                metrics = policy.train(batch, TrainStep(
+                    loss_fn, {**alg.loss_args, **opt_in(loss_fn, step=step)}, alg.loss_agg,
+                    cfg.sampling.temperature, alg.correction, alg.correction_args, version,
+                    asdict(alg.terms)))
                 t2 = time.perf_counter()
                 metrics.update(rollout_metrics(trajs, rewards, adv, version), **adv_metrics,
                                **generator.counters)

@@ -7,7 +7,7 @@ extend the previous one starts a new segment), saved to `RUN_DIR/trajectories/` 
 
 `molt rollout`: runs the recipe's agent N times exactly as training would (same agent, sampling,
 rewards), saves the trajectories in the training format (`RUN_DIR/trajectories/step_000000.parquet`,
-`molt_core.trajectory_store`), and prints each rollout's reward and its tokens (trainable tokens
+`molt_core.run.trajectory_store`), and prints each rollout's reward and its tokens (trainable tokens
 highlighted).
 """
 
@@ -40,7 +40,7 @@ def _setup(args: Any, suffix: str) -> tuple[Any, Any, Any, int, Path]:
 
     from molt_core.cli import load
     from molt_core.config import to_dict
-    from molt_core.metrics import make_run_dir
+    from molt_core.run.metrics import make_run_dir
 
     cfg, plugins = load(args.recipe, args.overrides, args.plugin, args.blocked)
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -51,7 +51,7 @@ def _setup(args: Any, suffix: str) -> tuple[Any, Any, Any, int, Path]:
 
 
 def _save(run_dir: Path, trajs: list, tok: Any, task_of: Callable[[int], int] | None) -> Path:
-    from molt_core.trajectory_store import trajectory_rows, write_trajectories
+    from molt_core.run.trajectory_store import trajectory_rows, write_trajectories
     out = run_dir / "trajectories"
     out.mkdir(parents=True, exist_ok=True)
     path = out / "step_000000.parquet"
@@ -74,8 +74,8 @@ def token_view(traj: Any, tok: Any, color: bool) -> str:
 
 
 def rollout(args: Any) -> int:
-    from molt_core import cluster
-    from molt_core.generator import Generator
+    from molt_core.run import cluster
+    from molt_core.rollout.generator import Generator
 
     if args.n < 1:
         print("error: -n must be >= 1", file=sys.stderr)
@@ -109,9 +109,9 @@ def serve(args: Any, ready: Callable[[dict], None] | None = None,
     """Serve until Ctrl-C (or `stop`); `ready` gets the URLs and key once serving."""
     from transformers import AutoConfig
 
-    from molt_core import cluster
-    from molt_core.chat_server import ChatServer
-    from molt_core.generator import Generator
+    from molt_core.run import cluster
+    from molt_core.chat.server import ChatServer
+    from molt_core.rollout.generator import Generator
 
     cfg, plugins, tok, vocab, run_dir = _setup(args, "serve")
     max_context = AutoConfig.from_pretrained(cfg.model.path).get_text_config() \

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if args is None:
         return 0
     from molt_core.config import ConfigError
-    from molt_core.metrics import RunDirError, configure_logging
+    from molt_core.run.metrics import RunDirError, configure_logging
     from molt_core.plugins import PluginError
     configure_logging()
     try:

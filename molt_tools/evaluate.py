@@ -1,5 +1,5 @@
 """`molt eval MODEL_OR_CHECKPOINT RECIPE [key=value ...]`: the recipe's held-out evaluation
-(`molt_core.eval`) on a model, with engines only (no trainer).
+(`molt_core.rollout.eval`) on a model, with engines only (no trainer).
 
 MODEL_OR_CHECKPOINT: an HF directory (e.g. `molt pretrained` or an export), a PEFT LoRA adapter
 directory (merged into its base model first), or a Molt checkpoint (exported first).
@@ -37,7 +37,7 @@ def model_dir(path: str, scratch: Path) -> Path:
         AutoTokenizer.from_pretrained(base).save_pretrained(scratch)
         return scratch
     if (p / "meta.json").is_file() or (p / "checkpoints").is_dir():
-        from molt_core import checkpoint   # type: ignore[attr-defined]
+        from molt_core.run import checkpoint   # type: ignore[attr-defined]
         return Path(checkpoint.export(p, scratch / "model"))
     raise FileNotFoundError(f"{path}: not an HF model directory (config.json), a PEFT adapter "
                             "(adapter_config.json) or a Molt checkpoint")
@@ -46,9 +46,9 @@ def model_dir(path: str, scratch: Path) -> Path:
 def main(args: Any) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
-    from molt_core import cluster
+    from molt_core.run import cluster
     from molt_core.cli import load
-    from molt_core.eval import evaluate
+    from molt_core.rollout.eval import evaluate
 
     with tempfile.TemporaryDirectory(prefix="molt-eval-") as scratch:
         try:

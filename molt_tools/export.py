@@ -1,6 +1,6 @@
 """Exports of a trained policy that are not part of the training path, and `molt export
 CHECKPOINT OUT`: a Molt checkpoint (or a run dir: its latest) as a plain HF directory
-(safetensors, config, tokenizer, chat template, generation config; `molt_core.checkpoint`)."""
+(safetensors, config, tokenizer, chat template, generation config; `molt_core.run.checkpoint`)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,6 @@ def add_args(p: Any) -> None:
 
 
 def main(args: Any) -> int:
-    from molt_core.checkpoint import export
+    from molt_core.run.checkpoint import export
     print(export(args.checkpoint, args.out))
     return 0

@@ -157,7 +157,7 @@ import random
 from typing import Any
 
 from molt_core import hookimpl
-from molt_core.generator import RolloutContext
+from molt_core.contracts import RolloutContext
 from molt_core.trajectory import Trajectory
 
 __all__ = ["{cls}"]
@@ -195,7 +195,7 @@ from __future__ import annotations
 
 import asyncio
 
-from molt_core.generator import RolloutContext
+from molt_core.contracts import RolloutContext
 from molt_core.trajectory import Completion
 
 import {module}

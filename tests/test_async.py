@@ -12,7 +12,7 @@ import torch
 from molt_core.algos import is_correction
 from molt_core.cli import load
 from molt_core.config import ConfigError
-from molt_core.generator import filter_stale, version_lag_metrics
+from molt_core.rollout.generator import filter_stale, version_lag_metrics
 from molt_core.trajectory import Completion, Trajectory
 from molt_grpo import ppo_clip_loss
 from molt_rollout_async import AsyncScheme

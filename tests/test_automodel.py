@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 import torch
 
-from molt_core.automodel import AUTOMODEL_MISSING, AutoModelPolicy
+from molt_core.policy.automodel import AUTOMODEL_MISSING, AutoModelPolicy
 from molt_core.config import TrainerConfig
 from molt_core.plugins import build_plugins
 
@@ -32,7 +32,8 @@ def test_registered_and_guarded():
 @pytest.mark.gpu
 @needs_gpu
 def test_automodel_matches_fsdp2_and_trains(ray_local, tiny_model_dir):
-    from molt_core.policy import Policy
+    from molt_core.policy.handle import Policy
+    from molt_core.policy.objective import TrainStep
     from molt_grpo import ppo_clip_loss
 
     path, cfg = str(tiny_model_dir), dataclasses.replace(TrainerConfig(), lr=1e-2)
@@ -52,7 +53,7 @@ def test_automodel_matches_fsdp2_and_trains(ray_local, tiny_model_dir):
         assert (lp - ref.logprobs(batch)).abs().max() < 1e-3        # fp32, same weights
         batch["behavior_logprobs"] = lp
         before = am.full_params()
-        metrics = am.train(batch, ppo_clip_loss, {}, "token-mean", 1.0)
+        metrics = am.train(batch, TrainStep(ppo_clip_loss, {}, "token-mean", 1.0))
         after = am.full_params()
         assert set(before) == set(ref.full_params())                # HF names, for the engines
         assert metrics["grad_norm"] > 0 and metrics["mismatch/max_abs"] < 1e-3

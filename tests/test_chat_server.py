@@ -25,7 +25,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from molt_core.chat_server import ChatServer, parse_tool_calls
+from molt_core.chat.server import ChatServer, parse_tool_calls
 from molt_core.engines.hf import HFEngine
 from molt_core.trajectory import Completion
 
@@ -458,9 +458,9 @@ def test_auth_unknown_session_and_loopback_only(tiny_model_dir, tok):
 
 
 def test_generator_close_shuts_the_shared_server_down(tiny_model_dir):
-    from molt_core.chat_server import shared_server
+    from molt_core.chat.server import shared_server
     from molt_core.cli import load
-    from molt_core.generator import Generator
+    from molt_core.rollout.generator import Generator
 
     gen = Generator(None, [], load(None, [f"model.path={tiny_model_dir}", "agent.args.env=next_letter"])[0], None, 0)
     server = gen.submit(shared_server()).result(timeout=10)
@@ -778,7 +778,7 @@ def test_limits_and_malformed_bodies_are_clean_errors(tiny_model_dir, tok):
 
 
 def test_missing_chat_template_is_one_clear_error(tiny_model_dir, tmp_path, capsys):
-    from molt_core.chat_server import ChatServer
+    from molt_core.chat.server import ChatServer
     from molt_core.cli import main
 
     model = tmp_path / "no_template"

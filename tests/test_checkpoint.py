@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from molt_core import checkpoint
+from molt_core.run import checkpoint
 from molt_core.cli import load
 from molt_core.config import ConfigError
 from molt_core.trainer import train
@@ -153,7 +153,7 @@ def _engine_batch(model_dir: Path, n: int = 6) -> dict[str, torch.Tensor]:
     from transformers import AutoTokenizer
 
     from molt_core.engines.hf import HFEngine
-    from molt_core.generator import RolloutContext
+    from molt_core.contracts import RolloutContext
     from molt_core.multimodal import is_vl
     from molt_core.plugins import build_plugins
     from molt_core.trajectory import collate
@@ -191,8 +191,9 @@ def test_export_matches_the_trainer(ray_local, tmp_path_factory, arch):
 
     from molt_core.cli import CHARSET
     from molt_core.config import TrainerConfig
-    from molt_core.logprobs import token_logprobs
-    from molt_core.policy import Policy
+    from molt_core.policy.logprobs import token_logprobs
+    from molt_core.policy.handle import Policy
+    from molt_core.policy.objective import TrainStep
     from molt_tools.tiny import build_tiny_model
 
     tmp = tmp_path_factory.mktemp(arch)
@@ -200,7 +201,7 @@ def test_export_matches_the_trainer(ray_local, tmp_path_factory, arch):
     batch = _engine_batch(model_dir)
     policy = Policy(str(model_dir), TrainerConfig(lr=1e-2, timeout_s=120.0))
     try:
-        policy.train(batch, _pg_loss, correction="none")
+        policy.train(batch, TrainStep(_pg_loss, correction="none"))
         # routing recomputed on both sides (the engine's recorded routing predates the update)
         trainer_lp = policy.logprobs({k: v for k, v in batch.items() if k != "routed_experts"})
         policy.save_checkpoint(str(tmp / "ckpt"))

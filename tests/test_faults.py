@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from molt_core import checkpoint
-from molt_core.cluster import EngineDiedError
+from molt_core.run import checkpoint
+from molt_core.rollout.restarts import EngineDiedError
 from molt_core.cli import load
-from molt_core.generator import FailureRateError
+from molt_core.rollout.generator import FailureRateError
 from molt_core.trainer import train
 
 from common import toy_recipe
@@ -110,7 +110,7 @@ def test_engine_deaths_past_max_restarts_stop_the_run(ray_local, tiny_chars_dir,
 
 
 def test_nonfinite_reward_names_its_source(tiny_chars_dir, tmp_path):
-    from molt_core.generator import Generator
+    from molt_core.rollout.generator import Generator
     from molt_core.trajectory import Trajectory
 
     class NaNAgent:

@@ -63,7 +63,7 @@ def molt_engines():
 
 @hookimpl
 def molt_trainer_backends():
-    from molt_core.policy import Policy
+    from molt_core.policy.handle import Policy
     return {"fsdp2_mine": Policy}
 
 @hookimpl

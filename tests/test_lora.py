@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from molt_core.config import LoraConfig, TrainerConfig
 from molt_core.engines.hf import HFEngine
-from molt_core.policy import Policy
+from molt_core.policy.handle import Policy
+from molt_core.policy.objective import TrainStep
 from molt_tools.export import export_lora
 from molt_grpo import ppo_clip_loss
 
@@ -50,7 +51,7 @@ def test_lora_trains_adapters_only_syncs_merged_and_exports(ray_local, tiny_mode
             path, dtype=torch.float32).named_parameters()}
         assert policy.full_params().keys() == base.keys()     # merged: the plain HF names
         _, batch = sample_batch(engine, tok)
-        metrics = policy.train(batch, ppo_clip_loss, {}, "token-mean", 1.0)
+        metrics = policy.train(batch, TrainStep(ppo_clip_loss, {}, "token-mean", 1.0))
         assert metrics["mismatch/max_abs"] < 1e-4             # B = 0: the adapted model is base
         adapter, merged = policy.full_params(adapter=True), policy.full_params()
         b_names = [k for k in adapter if ".lora_B." in k]

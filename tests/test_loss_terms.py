@@ -16,7 +16,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from molt_core.advantage import training_batch
 from molt_core.algos import entropy_from_logits, kl_estimate, loss_terms
 from molt_core.config import AlgorithmConfig, LossTermsConfig, TrainerConfig
-from molt_core.policy import Policy
+from molt_core.policy.handle import Policy
+from molt_core.policy.objective import TrainStep
 from molt_core.trajectory import Completion, Trajectory
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # ship `zero_loss` by value
@@ -101,13 +102,13 @@ def steps(policies):
     out = {}
     for name, p in made.items():
         r = {"params0": p.full_params(), "values0": p.values(batch)}
-        r["critic"] = p.train(batch, zero_loss, terms={"value_coef": 1.0, "value_clip": 0.0,
-                                                       "value_lr": 0.01})
+        r["critic"] = p.train(batch, TrainStep(zero_loss, terms={"value_coef": 1.0, "value_clip": 0.0,
+                                                       "value_lr": 0.01}))
         r["values1"], r["params1"] = p.values(batch), p.full_params()
         plain = {k: v for k, v in batch.items() if k not in ("returns", "old_values")}
-        r["entropy"] = p.train(plain, zero_loss, terms={"entropy_coef": 0.1})
+        r["entropy"] = p.train(plain, TrainStep(zero_loss, terms={"entropy_coef": 0.1}))
         r["params2"] = p.full_params()
-        r["kl"] = p.train(plain, zero_loss, terms={"kl_coef": 0.5, "kl_estimator": "k2"})
+        r["kl"] = p.train(plain, TrainStep(zero_loss, terms={"kl_coef": 0.5, "kl_estimator": "k2"}))
         out[name] = r
     return path, batch, out
 

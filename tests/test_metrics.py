@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from molt_core.cli import load
-from molt_core.metrics import MetricsSink, configure_logging
+from molt_core.run.metrics import MetricsSink, configure_logging
 from molt_core.plugins import PluginError
 from molt_core.trainer import rollout_metrics
 from molt_core.trajectory import Trajectory
@@ -68,7 +68,7 @@ def test_engine_busy_time_counts_generation_the_driver_did_not_wait_for():
     import asyncio
     from types import SimpleNamespace
 
-    from molt_core.generator import EngineClient
+    from molt_core.rollout.client import EngineClient
     from molt_core.trajectory import Completion
 
     async def generate_batch(prompts, samplings, **kw):   # stand-in engine (the client's view

@@ -15,9 +15,10 @@ from transformers import AutoModelForCausalLM
 
 from molt_core.config import TrainerConfig
 from molt_core.engines.hf import HFEngine
-from molt_core.policy import Policy
+from molt_core.policy.handle import Policy
 from molt_tools.tiny import build_tiny_model
 from molt_core.trajectory import Completion, InvariantError, Trajectory, collate
+from molt_core.policy.objective import TrainStep
 from molt_grpo import ppo_clip_loss
 
 SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
@@ -99,7 +100,7 @@ def test_engine_records_routing(moe_dir):
 def test_routing_survives_mid_wave_weight_update(moe_dir):
     """A weight update mid-wave re-prefills; the recorded routing still equals what a full
     forward over prompt + completion routes each fed token to."""
-    from molt_core.logprobs import token_logprobs
+    from molt_core.policy.logprobs import token_logprobs
 
     engine = HFEngine(str(moe_dir), seed=4)
     params = [(n, p.detach().clone()) for n, p in engine.model.named_parameters()]
@@ -180,7 +181,7 @@ def test_replay_matches_engine(ray_local, moe_dir):
         lp_wrong, used_wrong = policy.logprobs(wrong, with_routing=True)
         assert torch.equal(used_wrong[has], wrong["routed_experts"][has])
         assert (lp_wrong - lp).abs().max().item() > 1e-3
-        metrics = policy.train(batch, ppo_clip_loss, {}, "token-mean", 1.0)
+        metrics = policy.train(batch, TrainStep(ppo_clip_loss, {}, "token-mean", 1.0))
         assert metrics["mismatch/max_abs"] < 1e-4
         assert metrics["moe/routing_agreement"] == 1.0
         # after the update the trainer's weights sync to the engine and replay still agrees
@@ -205,7 +206,7 @@ def test_replay_off_reports_mismatch(ray_local, moe_dir, perturbed_moe_dir):
         _, used = policy.logprobs(batch, with_routing=True)
         same = (used.sort(-1).values == rec.sort(-1).values).all(-1)[has]
         assert not same.all()
-        metrics = policy.train(batch, ppo_clip_loss, {}, "token-mean", 1.0)
+        metrics = policy.train(batch, TrainStep(ppo_clip_loss, {}, "token-mean", 1.0))
         assert metrics["moe/routing_agreement"] < 1.0
         assert metrics["mismatch/max_abs"] > 1e-4
     finally:
@@ -229,7 +230,7 @@ def test_freeze_router(ray_local, moe_dir):
             trajs.append(t)
         batch = collate(trajs, [[1.0] * len(t) for t in trajs])
         before = policy.full_params()
-        policy.train(batch, ppo_clip_loss, {}, "token-mean", 1.0)
+        policy.train(batch, TrainStep(ppo_clip_loss, {}, "token-mean", 1.0))
         after = policy.full_params()
         gates = [n for n in before if n.endswith("mlp.gate.weight")]
         assert gates and all(torch.equal(before[n], after[n]) for n in gates)
@@ -266,7 +267,7 @@ def test_replay_covers_context_tokens(moe_dir, perturbed_moe_dir):
     """An engine whose router differs a little from the trainer's: with replay the trainer's
     forward uses the engine's experts at every fed position, prompt and env tokens included;
     recomputing (off) routes some of those context positions elsewhere."""
-    from molt_core.logprobs import token_logprobs
+    from molt_core.policy.logprobs import token_logprobs
 
     engine = HFEngine(str(perturbed_moe_dir), seed=5)
     trajs = [Trajectory() for _ in PROMPTS]
@@ -300,7 +301,7 @@ def test_replay_covers_context_tokens(moe_dir, perturbed_moe_dir):
 def test_aux_loss_matches_transformers(moe_dir):
     """Routing off, the aux loss equals transformers' load_balancing_loss_func (as Qwen3-MoE's
     forward computes it); replaying other experts changes it."""
-    from molt_core.logprobs import token_logprobs
+    from molt_core.policy.logprobs import token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(moe_dir)
     ids = torch.tensor([[5, 9, 11, 40, 12, 13], [6, 9, 12, 0, 0, 0]])
@@ -340,7 +341,7 @@ def test_bf16_router_stays_fp32_and_aux_loss_trains(ray_local, moe_dir):
         gates = [n for n in params if n.endswith("mlp.gate.weight")]
         assert gates and all(params[n].dtype == torch.float32 for n in gates)
         assert params["model.layers.0.mlp.experts.gate_up_proj"].dtype == torch.bfloat16
-        aux = [policy.train(batch, ppo_clip_loss, {}, "token-mean", 1.0)["moe/aux_loss"]
+        aux = [policy.train(batch, TrainStep(ppo_clip_loss, {}, "token-mean", 1.0))["moe/aux_loss"]
                for _ in range(4)]
         assert aux[-1] < aux[0] - 1e-3, aux
         after = policy.full_params()

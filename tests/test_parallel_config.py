@@ -14,7 +14,7 @@ import ray
 import torch
 import yaml
 
-from molt_core import cluster
+from molt_core.run import cluster
 from molt_core.cli import check_against_plugins
 from molt_core.config import Config, ConfigError, TrainerConfig, load_config, model_facts
 from molt_core.plugins import build_plugins
@@ -166,7 +166,8 @@ def test_oversized_run_fails_before_any_actor_starts(ray_local, tiny_model_dir):
 
 def test_optimizer_offload_is_wired_and_trains(ray_local, tiny_model_dir):
     """On CPU FSDP2's CPUOffloadPolicy moves nothing, but it is the policy the ranks run with."""
-    from molt_core.policy import Policy
+    from molt_core.policy.handle import Policy
+    from molt_core.policy.objective import TrainStep
     from molt_grpo import ppo_clip_loss
 
     path = str(tiny_model_dir)
@@ -179,7 +180,7 @@ def test_optimizer_offload_is_wired_and_trains(ray_local, tiny_model_dir):
         assert kind == "CPUOffloadPolicy"
         batch = _batch()
         before = policy.full_params()
-        metrics = policy.train(batch, ppo_clip_loss, {}, "token-mean", 1.0)
+        metrics = policy.train(batch, TrainStep(ppo_clip_loss, {}, "token-mean", 1.0))
         after = policy.full_params()
         assert metrics["grad_norm"] > 0
         assert any(not (before[k] == after[k]).all() for k in before)

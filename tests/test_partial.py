@@ -14,9 +14,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from molt_core.cli import load
 from molt_core.config import TrainerConfig
 from molt_core.engines.hf import HFEngine
-from molt_core.generator import Generator
-from molt_core.logprobs import token_logprobs
-from molt_core.policy import Policy
+from molt_core.rollout.generator import Generator
+from molt_core.policy.logprobs import token_logprobs
+from molt_core.policy.handle import Policy
+from molt_core.policy.objective import TrainStep
 from molt_core.trainer import probe_consistency, train
 from molt_core.trajectory import Trajectory, collate
 from molt_grpo import ppo_clip_loss
@@ -109,7 +110,7 @@ def test_partial_rollout_switches_versions_inside_a_response(ray_local, tiny_mod
         ray.get(engine.pause.remote())
         trajs = [t for g in first for t in g]
         batch = collate(trajs, [[1.0 if i % 2 else -1.0] * len(t) for i, t in enumerate(trajs)])
-        policy.train(batch, ppo_clip_loss, {}, "token-mean", 1.0, "tis", {}, 0)
+        policy.train(batch, TrainStep(ppo_clip_loss, {}, "token-mean", 1.0, "tis", {}, 0))
         assert scheme.after_train(0) == 1                   # pause, push, resume mid-response
         gen.stop_pool()
         rest = gen.take(gen.pool_state()["buffered"])

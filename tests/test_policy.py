@@ -16,7 +16,8 @@ from molt_core.algos import masked_mean
 from molt_core.cli import load
 from molt_core.config import TrainerConfig
 from molt_core.engines.hf import HFEngine
-from molt_core.policy import Policy
+from molt_core.policy.handle import Policy
+from molt_core.policy.objective import TrainStep
 from molt_core.trainer import ForwardConsistencyError, check_consistency
 from molt_grpo import ppo_clip_loss
 
@@ -136,7 +137,7 @@ def trained(cluster, model_path):
         batch = make_batch(model_path, seed=seed, shared=8 * seed)
         for name, p in policies.items():
             before = p.logprobs(batch)
-            metrics[name].append(p.train(batch, ppo_clip, {"clip": 0.2}, agg))
+            metrics[name].append(p.train(batch, TrainStep(ppo_clip, {"clip": 0.2}, agg)))
             TRAINED_LP.setdefault(name, []).append((before, p.trained_logprobs()))
     params = {name: p.full_params() for name, p in policies.items()}
     return metrics, params
@@ -219,8 +220,8 @@ def test_mini_batches_make_the_clip_act(cluster, model_path, correction):
     params, metrics = {}, {}
     for clip, eps in CLIPS.items():
         p = policies[f"mb4/{correction}/{clip}"]
-        metrics[clip] = p.train(batch, ppo_clip_loss, {"clip_low": eps, "clip_high": eps},
-                                "token-mean", correction=correction, correction_args={})
+        metrics[clip] = p.train(batch, TrainStep(ppo_clip_loss, {"clip_low": eps, "clip_high": eps},
+                                "token-mean", correction=correction, correction_args={}))
         params[clip] = p.full_params()
     assert metrics["tight"]["clip_fraction"] > 0.1 and metrics["wide"]["clip_fraction"] == 0
     # the steps moved the policy away from the weights the engine sampled with, and pi_prox
@@ -240,7 +241,7 @@ def test_bf16_compute_keeps_fp32_master_weights(cluster, model_path):
     p = policies["bf16"]
     before = p.full_params(master=True)
     assert {t.dtype for t in before.values()} == {torch.float32}
-    p.train(make_batch(model_path, seed=4), ppo_clip_loss, {}, "token-mean")
+    p.train(make_batch(model_path, seed=4), TrainStep(ppo_clip_loss, {}, "token-mean"))
     after = p.full_params(master=True)
     name = "model.layers.0.mlp.down_proj.weight"
     step = (after[name] - before[name]).abs()
@@ -266,19 +267,19 @@ def test_nonfinite_steps_are_skipped_and_abort_in_a_row(cluster, trained, model_
     bad = make_batch(model_path, seed=5)
     bad["behavior_logprobs"][5, bad["loss_mask"][5].nonzero()[0]] = float("nan")
     before = p.full_params()
-    m = p.train(bad, ppo_clip_loss, {}, "token-mean")
+    m = p.train(bad, TrainStep(ppo_clip_loss, {}, "token-mean"))
     assert math.isnan(m["mismatch/max_abs"]) and m["faults/nonfinite_steps"] == 1
     cfg = load(None, [f"model.path={model_path}", "agent.args.env=next_letter"])[0]
     with pytest.raises(ForwardConsistencyError):
         check_consistency(cfg, 0, m)
     assert_params_close(p.full_params(), before, atol=0.0)
-    m = p.train(make_batch(model_path, seed=6), ppo_clip_loss, {}, "token-mean")
+    m = p.train(make_batch(model_path, seed=6), TrainStep(ppo_clip_loss, {}, "token-mean"))
     assert math.isfinite(m["loss"]) and m["faults/nonfinite_steps"] == 1
     after = p.full_params()
     assert all(t.isfinite().all() for t in after.values())
     assert max((after[k] - before[k]).abs().max().item() for k in after) > 0
     for _ in range(2):
-        p.train(bad, ppo_clip_loss, {}, "token-mean")
+        p.train(bad, TrainStep(ppo_clip_loss, {}, "token-mean"))
     with pytest.raises(RuntimeError, match=r"3 optimizer steps in a row.*max_nonfinite_steps=3"):
-        p.train(bad, ppo_clip_loss, {}, "token-mean")
+        p.train(bad, TrainStep(ppo_clip_loss, {}, "token-mean"))
     assert_params_close(p.full_params(), after, atol=0.0)

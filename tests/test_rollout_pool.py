@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from molt_core.cli import load
 from molt_core.config import ConfigError
 from molt_core.engines.hf import HFEngine
-from molt_core.generator import Generator
+from molt_core.rollout.generator import Generator
 from molt_core.trainer import train
 from molt_core.trajectory import Trajectory
 from molt_rollout_async import AsyncScheme

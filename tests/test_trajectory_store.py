@@ -160,7 +160,7 @@ def make_trajs(tok, step: int, reward: float = 0.0, n: int = 2) -> list:
 
 def test_writer_thread_without_trainer_logprobs(tiny_chars_dir, tmp_path):
     """The writer on its own (no Ray): a sample per step, no trainer log-probs recorded."""
-    from molt_core.trajectory_store import TrajectoryWriter
+    from molt_core.run.trajectory_store import TrajectoryWriter
 
     tok = AutoTokenizer.from_pretrained(tiny_chars_dir)
     writer = TrajectoryWriter(tmp_path, tok, every=1, per_step=1, task_of=lambda g: 10 + g)
@@ -179,7 +179,7 @@ def test_resumed_run_replaces_later_steps_and_a_dead_loop_leaves_what_it_sent(ti
     """A resumed run's steps replace what an earlier run saved from its first step on (several
     files read back as one run); a loop that dies mid-hand-off leaves every step it sent whole on
     disk (the writer sees the pipe's end and writes what it holds)."""
-    from molt_core.trajectory_store import _SERVE, TrajectoryWriter
+    from molt_core.run.trajectory_store import _SERVE, TrajectoryWriter
 
     tok = AutoTokenizer.from_pretrained(tiny_chars_dir)
     for start, steps, reward in ((0, range(6), 0.0), (3, range(3, 5), 10.0)):

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 from molt_core.cli import main
 from molt_core.trajectory import Completion, ImageInput, Trajectory
-from molt_core.trajectory_store import trajectory_rows, write_trajectories
+from molt_core.run.trajectory_store import trajectory_rows, write_trajectories
 from molt_tools.view import load_rows, render_terminal, token_roles
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

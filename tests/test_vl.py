@@ -18,9 +18,9 @@ from transformers import AutoConfig, AutoTokenizer
 
 from molt_core import multimodal
 from molt_core.engines.hf import HFEngine
-from molt_core.generator import RolloutContext
+from molt_core.contracts import RolloutContext
 from molt_core.plugins import build_plugins
-from molt_core.logprobs import token_logprobs
+from molt_core.policy.logprobs import token_logprobs
 from molt_core.trajectory import InvariantError, Trajectory, collate
 from molt_gym import GymAgent
 
@@ -193,7 +193,7 @@ def test_openai_sdk_image_url_data_uris_in_two_turns(tiny_vl_dir, tok, engine):
     trajectory, the replies are the engine's tokens, and the trainer's log-probs match."""
     import openai
 
-    from molt_core.chat_server import ChatServer
+    from molt_core.chat.server import ChatServer
 
     calls, generate = recording(engine)
 
@@ -236,7 +236,7 @@ def test_openai_sdk_image_url_data_uris_in_two_turns(tiny_vl_dir, tok, engine):
 def test_chat_server_refuses_images_for_a_text_only_model(tiny_model_dir):
     import openai
 
-    from molt_core.chat_server import ChatServer
+    from molt_core.chat.server import ChatServer
 
     text_tok = AutoTokenizer.from_pretrained(tiny_model_dir)
 
@@ -277,7 +277,7 @@ def test_engine_vllm_with_a_vl_checkpoint_is_rejected_with_the_reason(tiny_vl_di
 def test_anthropic_sdk_base64_image_block(tiny_vl_dir, tok, engine):
     import anthropic
 
-    from molt_core.chat_server import ChatServer
+    from molt_core.chat.server import ChatServer
 
     calls, generate = recording(engine)
 

@@ -21,8 +21,9 @@ from transformers import AutoModelForCausalLM
 from molt_core import weight_sync
 from molt_core.config import TrainerConfig
 from molt_core.engines.hf import HFEngine
-from molt_core.generator import EngineClient
-from molt_core.policy import Policy
+from molt_core.rollout.client import EngineClient
+from molt_core.policy.handle import Policy
+from molt_core.policy.objective import TrainStep
 from molt_core.weight_sync import WeightGroup, WeightSyncError
 from molt_grpo import ppo_clip_loss
 
@@ -72,7 +73,7 @@ def train_step(policy: Policy, seed: int) -> None:
              "advantages": torch.randn(B, 1, generator=g).expand(B, T).clone() * mask,
              "behavior_logprobs": torch.full((B, T), -6.0) * mask,
              "versions": torch.zeros(B, T, dtype=torch.long)}
-    policy.train(batch, ppo_clip_loss, {}, "token-mean")
+    policy.train(batch, TrainStep(ppo_clip_loss, {}, "token-mean"))
 
 
 def push(policy: Policy, engines: list, version: int, transport: str) -> dict:

@@ -3,7 +3,7 @@
 A `ChatAgent` owns its loop: `run(ctx)` calls `openai.AsyncOpenAI(base_url=ctx.base_url,
 api_key=ctx.api_key)` (or `anthropic.AsyncAnthropic(base_url=ctx.anthropic_base_url, ...)`) as
 often as it likes and returns a reward, or one reward per turn. The `chat` agent factory opens a
-session on the process's loopback chat server (`molt_core.chat_server`), runs the agent, closes
+session on the process's loopback chat server (`molt_core.chat.server`), runs the agent, closes
 the session and returns its token-exact `Trajectory`.
 
 Rewards: a float is the rollout's reward. A list is per-turn: `traj.turn_rewards` keeps it
@@ -21,9 +21,9 @@ from typing import Any
 from transformers import AutoConfig
 
 from molt_core import hookimpl
-from molt_core.chat_server import require_chat_template, shared_server
+from molt_core.chat.server import require_chat_template, shared_server
 from molt_core.config import Config, ConfigError
-from molt_core.generator import RolloutContext
+from molt_core.contracts import RolloutContext
 from molt_core.trajectory import Trajectory
 
 __all__ = ["ChatAgent", "ChatContext", "ChatRunner"]

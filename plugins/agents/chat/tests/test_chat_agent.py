@@ -9,10 +9,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from molt_chat import ChatAgent, ChatContext, ChatRunner
-from molt_core.chat_server import shared_server
+from molt_core.chat.server import shared_server
 from molt_core.config import Config
 from molt_core.engines.hf import HFEngine
-from molt_core.generator import RolloutContext
+from molt_core.contracts import RolloutContext
 from molt_core.plugins import PluginError, build_plugins
 
 COLD = {"temperature": 0.05, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,

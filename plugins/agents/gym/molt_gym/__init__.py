@@ -14,7 +14,7 @@ from typing import Any
 
 from molt_core import hookimpl, multimodal
 from molt_core.config import ConfigError
-from molt_core.generator import RolloutContext
+from molt_core.contracts import RolloutContext
 from molt_core.trajectory import ImageInput, Trajectory
 from molt_gym.envs import (Addition, Arithmetic, Colours, Env, GuessNumber, MathProblems,
                            NextLetter, Observation, Spell)
@@ -123,7 +123,7 @@ def molt_configure(cfg: Any, plugins: Any) -> None:
         if a.get("chat_template", True) and Path(cfg.model.path).is_dir():
             from transformers import AutoTokenizer
 
-            from molt_core.chat_server import require_chat_template
+            from molt_core.chat.server import require_chat_template
             try:
                 require_chat_template(AutoTokenizer.from_pretrained(cfg.model.path))
             except ValueError as e:

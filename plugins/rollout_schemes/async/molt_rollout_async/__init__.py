@@ -20,7 +20,7 @@ from typing import Any
 
 from molt_core import hookimpl
 from molt_core.config import Config, ConfigError
-from molt_core.generator import filter_stale
+from molt_core.rollout.generator import filter_stale
 from molt_core.trajectory import Trajectory
 
 __all__ = ["AsyncScheme", "default_staleness", "require_correction"]

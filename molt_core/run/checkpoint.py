@@ -34,7 +34,7 @@ import yaml
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from molt_core.config import Config, ConfigError, to_dict
-from molt_core.metrics import RunDirError
+from molt_core.run.metrics import RunDirError
 from molt_core.trajectory import ImageInput, Trajectory
 
 __all__ = ["SAFE_TO_CHANGE", "Checkpointer", "CheckpointError", "check_resume_config",

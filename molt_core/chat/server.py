@@ -24,7 +24,7 @@ request with the model's chat template, generates in token space with the rollou
 - `logprobs` / `top_logprobs`: the log-prob of every sampled token (final stop token included),
   equal to the trajectory's; the engine records no alternatives, so `top_logprobs` lists the
   sampled token alone.
-- `stream: true` gets the same reply as server-sent events (`molt_core.chat_stream`).
+- `stream: true` gets the same reply as server-sent events (`molt_core.chat.stream`).
 
 Images (VL policies): OpenAI `image_url` content parts carrying base64 data URIs
 (`data:image/png;base64,...`) and Anthropic base64 `image` blocks are decoded and rendered by the
@@ -32,7 +32,7 @@ template as image placeholders; the images ride with the trajectory (`molt_core.
 Remote URLs are refused (400).
 
 Sampling is the run's (`sampling` given to `open_session`): a request's `temperature`, `top_p`,
-`top_k`, ... that differ from it are a 400 naming the recipe key (`molt_core.chat_api`). A request's
+`top_k`, ... that differ from it are a 400 naming the recipe key (`molt_core.chat.api`). A request's
 `max_tokens` (`max_completion_tokens`, `max_output_tokens`) only caps `max_new_tokens`. With
 `tools`, Hermes/Qwen `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks in the reply
 become OpenAI `tool_calls` / Responses `function_call` items / Anthropic `tool_use` blocks; the
@@ -65,10 +65,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from molt_core import chat_api as api_
+from molt_core.chat import api as api_
 from molt_core import multimodal
-from molt_core.chat_api import Reply, RequestError, parse_tool_calls
-from molt_core.chat_stream import sse_events
+from molt_core.chat.api import Reply, RequestError, parse_tool_calls
+from molt_core.chat.stream import sse_events
 from molt_core.trajectory import Completion, ImageInput, Trajectory
 
 __all__ = ["ChatServer", "ChatSession", "parse_tool_calls", "require_chat_template",

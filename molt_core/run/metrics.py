@@ -103,7 +103,7 @@ class MetricsSink:
         numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
         for sink in self.sinks:
             sink.log(step, numbers)
-        if "reward/mean" not in row:          # a held-out evaluation row (molt_core.eval)
+        if "reward/mean" not in row:          # a held-out evaluation row (molt_core.rollout.eval)
             structlog.get_logger("molt").info("eval", step=step, **{
                 k[5:]: round(v, 4) for k, v in numbers.items() if k.startswith("eval/")})
             return

@@ -139,7 +139,7 @@ class TrajectoryWriter:
 # start on (the actors' imports and model builds are still running then). No garbage collector:
 # nothing here makes cycles, and its passes would rescan every buffered row.
 _SERVE = ("import gc, os; gc.disable()\nif hasattr(os, 'SCHED_IDLE'): os.sched_setscheduler(0, "
-          "os.SCHED_IDLE, os.sched_param(0))\nimport molt_core.trajectory_store as s; s._serve()")
+          "os.SCHED_IDLE, os.sched_param(0))\nimport molt_core.run.trajectory_store as s; s._serve()")
 
 
 def _serve() -> None:

@@ -23,7 +23,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from molt_core import moe
-from molt_core.policy import Policy, PolicyWorker
+from molt_core.policy.handle import Policy
+from molt_core.policy.worker import PolicyWorker
 
 __all__ = ["AUTOMODEL_MISSING", "AutoModelPolicy", "AutoModelWorker", "automodel_missing"]
 

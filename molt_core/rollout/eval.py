@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from molt_core.config import Config
-from molt_core.generator import Generator, RolloutContext
+from molt_core.contracts import RolloutContext
+from molt_core.rollout.generator import Generator
 from molt_core.trajectory import Trajectory
 
 __all__ = ["EVAL_TASKS", "eval_due", "evaluate"]

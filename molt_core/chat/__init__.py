@@ -1,0 +1,1 @@
+"""The loopback OpenAI/Anthropic-compatible chat server that captures the sampled tokens."""

@@ -1,0 +1,1 @@
+"""The trainer backend: the driver-side handle, one rank, the objective, log-probs."""

@@ -1,0 +1,231 @@
+"""Trainer backend `fsdp2`, driver side: `Policy` starts `PolicyWorker` ranks (Ray actors; one
+CPU rank reserving nothing: in the driver's process, `trainer.in_driver`), splits a collated batch
+evenly across ranks, counts the step's global normalisers and merges the ranks' metrics.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+
+from molt_core import weight_sync
+from molt_core.config import TrainerConfig
+from molt_core.policy.objective import TrainStep
+from molt_core.policy.worker import PolicyWorker, nanmax
+from molt_core.run import cluster
+
+__all__ = ["Policy"]
+
+
+def _wire(t: torch.Tensor) -> Any:   # numpy crosses Ray ~2x faster than a tensor; bf16 cannot
+    return t if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _pad_rows(batch: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    """Append n fully masked dummy rows (one attended pad token, so attention is never empty)."""
+    if n == 0:
+        return batch
+    out = {}
+    for k, v in batch.items():
+        fill = torch.full((n, *v.shape[1:]), -1 if k in ("versions", "routed_experts") else 0,
+                          dtype=v.dtype)
+        if k == "attention_mask":
+            fill[:, 0] = True
+        out[k] = torch.cat([v, fill])
+    return out
+
+
+class _InDriver:
+    """A rank in the driver's process, called as its actor would be: `w.method.remote(...)` runs
+    the call at once and returns its value (`Policy._get` passes it through)."""
+
+    def __init__(self, worker: PolicyWorker) -> None:
+        self.worker = worker
+
+    def __getattr__(self, name: str) -> Any:
+        return types.SimpleNamespace(remote=getattr(self.worker, name))
+
+
+class Policy:
+    """Driver handle for `num_ranks` FSDP2 `PolicyWorker` actors.
+
+    `actor_options`: Ray options of each rank (GPUs, CPUs, custom resources; `cluster.start`
+    derives them from the config). Ranks of one tensor/context-parallel group get the same rows.
+    """
+
+    worker_cls: type = PolicyWorker
+
+    def __init__(self, model_path: str, trainer_cfg: TrainerConfig, *, dtype: str = "float32",
+                 seed: int = 0, num_threads: int = 1, actor_options: dict | None = None) -> None:
+        self.cfg = trainer_cfg
+        n = trainer_cfg.num_ranks
+        self.replicas = trainer_cfg.tp_size * trainer_cfg.cp_size   # ranks per data shard
+        self.nonfinite_steps = self._nonfinite_run = 0
+        self._prox: torch.Tensor | None = None
+        actor_options = actor_options or {"num_cpus": 0, "resources": {},
+                                          "num_gpus": int(torch.cuda.is_available())}
+        options, host, port, self._pg = cluster.rank_placement(n, actor_options,
+                                                               trainer_cfg.timeout_s)
+        args = dict(dtype=dtype, trainer=asdict(trainer_cfg), seed=seed, num_threads=num_threads)
+        # one process group per process; a rank that reserves something is placed by Ray
+        self.in_driver = (trainer_cfg.in_driver and n == 1 and not torch.cuda.is_available()
+                          and not cluster.reserved(actor_options) and not dist.is_initialized())
+        if self.in_driver:
+            self._threads = torch.get_num_threads()     # the driver's, back at shutdown
+            try:
+                self.workers = [_InDriver(self.worker_cls(0, 1, host, port, model_path, **args))]
+            except BaseException:
+                self.shutdown()
+                raise
+            return
+        actor = ray.remote(self.worker_cls)
+        self.workers = [actor.options(**options[r]).remote(r, n, host, port, model_path, **args)
+                        for r in range(n)]
+        try:
+            ray.get([w.ready.remote() for w in self.workers], timeout=trainer_cfg.timeout_s)
+        except Exception:
+            self.shutdown()
+            raise
+
+    def _split(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        # Equal rows per rank -> equal micro-batch counts -> FSDP collectives never hang.
+        n = len(self.workers) // self.replicas
+        B = batch["input_ids"].shape[0]
+        per = math.ceil(B / n)
+        batch = _pad_rows(batch, per * n - B)
+        wire = (lambda t: t) if self.in_driver else _wire
+        return [{k: wire(v[d * per:(d + 1) * per]) for k, v in batch.items()}
+                for d in range(n) for _ in range(self.replicas)]
+
+    def _get(self, refs: list, what: str) -> list:
+        if self.in_driver:
+            return refs                 # the calls' values (`_InDriver`)
+        try:
+            return ray.get(refs, timeout=self.cfg.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"trainer {what} did not finish within {self.cfg.timeout_s}s "
+                               "(trainer.timeout_s)") from None
+
+    def train(self, batch: dict[str, torch.Tensor], spec: TrainStep) -> dict[str, float]:
+        """`trainer.epochs` x `trainer.mini_batches` optimizer steps of `spec` on a `collate`
+        batch [B, T] (each epoch: the rows in `mini_batches` consecutive parts, each loss
+        normalised by its own global counts); returns plain-float metrics, token-weighted over all
+        steps (`loss`, `grad_norm`: the mean step's). With more than one step pi_prox is computed
+        first, on the weights before the first step. A step with a non-finite loss or grad norm
+        is skipped (`faults/nonfinite_steps`, total); `trainer.max_nonfinite_steps` of them in a
+        row raise."""
+        B = self._rows = batch["input_ids"].shape[0]
+        bounds = [(int(r[0]), int(r[-1]) + 1)
+                  for r in torch.arange(B).tensor_split(min(self.cfg.mini_batches, B))]
+        self._prox = None           # trained_logprobs: the workers' own with one step
+        if len(bounds) * self.cfg.epochs > 1:
+            self._prox = self.logprobs(batch, spec.temperature)
+            batch = {**batch, "prox_logprobs": self._prox}
+        steps = []
+        for _ in range(self.cfg.epochs):
+            for s, e in bounds:
+                part = {k: v[s:e] for k, v in batch.items()}
+                mask = part["loss_mask"]
+                steps.append(self._get([w.train_step.remote(
+                    p, spec, int(mask.sum()), int(mask.any(-1).sum()))
+                    for w, p in zip(self.workers, self._split(part))], "train_step")[::self.replicas])
+                self._count_nonfinite(steps[-1][0]["nonfinite"])
+        outs = [o for step in steps for o in step]
+        self._trained = [o["logprobs"] for o in steps[-1]]
+        metrics = {"loss": sum(o["loss"] for o in outs) / len(steps),
+                   "grad_norm": sum(step[0]["grad_norm"] for step in steps) / len(steps),
+                   "faults/nonfinite_steps": self.nonfinite_steps}
+        for k in outs[0]["sums"]:
+            count = sum(o["counts"][k] for o in outs)
+            metrics[k] = sum(o["sums"][k] for o in outs) / max(count, 1.0)
+        for k in outs[0]["max"]:
+            metrics[k] = functools.reduce(nanmax, (o["max"][k] for o in outs))
+        for k in outs[0]["time"]:
+            metrics[k] = sum(max(o["time"][k] for o in step) for step in steps)
+        return metrics
+
+    def _count_nonfinite(self, skipped: bool) -> None:
+        self.nonfinite_steps += skipped
+        self._nonfinite_run = self._nonfinite_run + 1 if skipped else 0
+        if self._nonfinite_run >= self.cfg.max_nonfinite_steps:
+            raise RuntimeError(
+                f"{self._nonfinite_run} optimizer steps in a row had a non-finite loss or gradient "
+                f"norm (trainer.max_nonfinite_steps={self.cfg.max_nonfinite_steps}); they were "
+                "skipped, the weights are unchanged. Look for NaN/inf rewards, advantages or "
+                "behavior log-probs, or lower trainer.lr (fp16 overflow: use model.dtype=bfloat16)")
+
+    def logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0,
+                 with_routing: bool = False
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, T] trainer log-probs at trainable positions, 0 elsewhere; `with_routing` (MoE):
+        also the [B, T, layers, k] expert ids the trainer's forward used (None if dense)."""
+        B = batch["input_ids"].shape[0]
+        parts = self._get([w.logprobs.remote(p, temperature, with_routing)
+                           for w, p in zip(self.workers, self._split(batch))],
+                          "logprobs")[::self.replicas]
+        if not with_routing:
+            return torch.cat(parts)[:B]
+        lp = torch.cat([p[0] for p in parts])[:B]
+        ids = None if parts[0][1] is None else torch.cat([p[1] for p in parts])[:B]
+        return lp, ids
+
+    def trained_logprobs(self) -> torch.Tensor:
+        """[B, T] the trainer log-probs the last `train` used (pre-update), 0 where not trainable
+        (several steps: pi_prox, computed before them; one: they came back with it)."""
+        return (self._prox if self._prox is not None
+                else torch.from_numpy(np.concatenate(self._trained)[:self._rows]))
+
+    def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[B, T] the critic's values at trainable positions (pre-update), 0 elsewhere."""
+        return self._per_rank("values", batch)
+
+    def ref_logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0
+                     ) -> torch.Tensor:
+        """[B, T] log-probs under the frozen initial weights at trainable positions."""
+        return self._per_rank("ref_logprobs", batch, temperature)
+
+    def _per_rank(self, method: str, batch: dict[str, torch.Tensor], *args: Any) -> torch.Tensor:
+        parts = self._get([getattr(w, method).remote(p, *args)
+                           for w, p in zip(self.workers, self._split(batch))],
+                          method)[::self.replicas]
+        return torch.cat(parts)[:batch["input_ids"].shape[0]]
+
+    def full_params(self, adapter: bool = False, master: bool = False) -> dict[str, torch.Tensor]:
+        """Gathered parameters by HF name (LoRA: merged; `adapter`: the adapter weights only), as
+        the engines get them (`master`: the fp32 master weights)."""
+        out = self._get([w.full_params.remote(adapter, master) for w in self.workers],
+                        "full_params")[0]
+        # in the driver these would be the live parameters, which the next step changes
+        return {k: t.clone() for k, t in out.items()} if self.in_driver else out
+
+    def save_checkpoint(self, path: str) -> bool:
+        """Every rank writes its shards under `path` (DCP); True when a critic was saved."""
+        return self._get([w.save_checkpoint.remote(path) for w in self.workers], "checkpoint")[0]
+
+    def load_checkpoint(self, path: str, critic: bool) -> None:
+        self._get([w.load_checkpoint.remote(path, critic) for w in self.workers], "resume")
+
+    def push_weights(self, engines: list, version: int) -> dict[str, Any]:
+        return weight_sync.push(self.workers, engines, version,
+                                int(self.cfg.weight_sync_bucket_mb * 2**20),
+                                self.cfg.weight_sync_timeout_s, self.cfg.weight_sync_transport)
+
+    def shutdown(self) -> None:
+        if self.in_driver:          # a later Policy may start in the driver too
+            torch.set_num_threads(self._threads)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        for w in self.workers if not self.in_driver else ():
+            ray.kill(w)
+        self.workers = []
+        if self._pg is not None:
+            ray.util.remove_placement_group(self._pg)
+            self._pg = None

@@ -1,0 +1,1 @@
+"""Rollout: the generator (groups, streaming pool, staleness), the engine client, restarts, eval."""

@@ -1,0 +1,1 @@
+"""Run infrastructure: Ray placement, checkpoints, metrics, saved trajectories."""
