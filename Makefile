@@ -45,7 +45,14 @@ run: install $(TINY)/config.json
 
 test: install-test
 	$(BIN)/python -m pytest -q
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q -d .cache/site
 	$(MAKE) test-vllm
+
+# The docs site (MkDocs + Material, in the test extra) into .cache/site; --strict: a broken link,
+# a missing anchor or a page left out of the nav fails. docs/hooks.py generates the config reference.
+.PHONY: docs
+docs: install-test
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d .cache/site
 
 # Wheels of molt-core and every plugin, built offline (no build isolation): `pip install
 # --find-links dist/wheelhouse molt-core molt-estimator-grpo ...`; tests/test_dist.py installs them.

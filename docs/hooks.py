@@ -1,0 +1,37 @@
+"""MkDocs hook: the configuration reference page, generated at build time from the config
+dataclasses exactly as `molt config` prints them (`molt_tools.config_doc.render`), so it cannot go
+stale. Shipped plugins' config sections are included when their packages are installed."""
+
+from __future__ import annotations
+
+from mkdocs.structure.files import File, Files
+
+PAGE = "configuration.md"
+
+INTRO = """# Configuration reference
+
+Every key of a recipe with its default and its doc, generated from the config dataclasses
+(`molt_core.config`) when this site is built: it is what `molt config RECIPE` prints for a recipe
+that sets nothing. A recipe is YAML with these sections; `key=value` on the command line
+overrides any key (`trainer.steps=50`, `engine.args.max_model_len=4096`); unknown keys and wrong
+types are errors that list the valid keys. Plugin sections (last) belong to the plugin of the
+same name and exist only when it is installed.
+
+```yaml
+"""
+
+
+def config_page() -> str:
+    from molt_core.config import Config
+    from molt_core.plugins import build_plugins
+    from molt_tools.config_doc import render
+
+    cfg = Config()
+    sections = build_plugins().registry["config_section"]
+    cfg.plugins = {name: cls() for name, cls in sorted(sections.items())}
+    return INTRO + "\n".join(render(cfg)) + "\n```\n"
+
+
+def on_files(files: Files, config) -> Files:
+    files.append(File.generated(config, PAGE, content=config_page()))
+    return files
