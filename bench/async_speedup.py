@@ -48,7 +48,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="molt-bench-"))
     os.environ.setdefault("RAY_TMPDIR", str(tmp / "ray"))
     os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
-    from molt_core.cli import CHARSET
+    from molt_tools.tiny import CHARSET
     model = build_tiny_model(tmp / "chars", "qwen3", charset=CHARSET)
     data = yaml.safe_load(open(ROOT / "recipes/cpu/next_letter.yaml"))
     data["model"]["path"] = str(model)

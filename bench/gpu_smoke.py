@@ -12,9 +12,9 @@ import statistics
 import sys
 import tempfile
 
-from molt_core.cli import CHARSET, load
+from molt_core.cli import load
 from molt_core.run.metrics import configure_logging
-from molt_tools.tiny import build_tiny_model
+from molt_tools.tiny import CHARSET, build_tiny_model
 from molt_core.trainer import train
 
 

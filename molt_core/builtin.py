@@ -33,16 +33,6 @@ def _is_vl_checkpoint(path: str) -> bool:
         return False
 
 
-def _is_moe_checkpoint(path: str) -> bool:
-    try:
-        with open(Path(path) / "config.json") as f:
-            c = json.load(f)
-    except (OSError, ValueError):
-        return False
-    c = c.get("text_config", c)
-    return any((c.get(k) or 0) > 0 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
-
-
 def _have_vllm() -> bool:
     # find_spec, not import: importing vllm costs seconds on every CLI call.
     return importlib.util.find_spec("vllm") is not None
@@ -67,12 +57,13 @@ def molt_engines() -> dict[str, type]:
 @hookimpl
 def molt_configure(cfg) -> None:  # noqa: ANN001 - Config, imported lazily
     from molt_core.config import ConfigError
+    from molt_core.config_rules import model_facts
     if cfg.engine.name == "vllm" and _is_vl_checkpoint(cfg.model.path):
         raise ConfigError(VLLM_VL.format(path=cfg.model.path))
     if cfg.engine.name == "vllm" and not _have_vllm():
         raise ConfigError(VLLM_MISSING)
     if (cfg.engine.name == "vllm" and cfg.trainer.moe_routing == "replay"
-            and _is_moe_checkpoint(cfg.model.path)):
+            and model_facts(cfg.model.path)["num_experts"]):
         from molt_core.engines.vllm import routed_experts_unsupported
         reason = routed_experts_unsupported()
         if reason:

@@ -1,5 +1,6 @@
 """`molt run` and `molt validate`: a recipe and its plugins loaded and cross-checked (`load`), and
-the training run. The `molt` command's dispatcher and the tool commands live in `molt_tools`.
+the training run. The `molt` command's dispatcher and the tool commands live in
+`molt_tools.commands` (the console script's target).
 """
 
 from __future__ import annotations
@@ -7,36 +8,34 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import structlog
 
 from molt_core.config import Config, ConfigError, load_config, to_dict
 from molt_core.plugins import KINDS, PluginError, Plugins, build_plugins
 
-__all__ = ["load", "main"]
+__all__ = ["check_against_plugins", "load", "main", "plugin_args", "recipe_args", "run",
+           "run_args", "validate"]
 
-CHARSET = "abcdefghijklmnopqrstuvwxyz0123456789 ?!.,:;+-*/=()"
 
-
-def _plugin_args(p: argparse.ArgumentParser) -> None:
+def plugin_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plugin", action="append", default=[], metavar="NAME",
                    help="load and select a plugin (entry-point name or module path)")
     p.add_argument("-p", dest="blocked", action="append", default=[], metavar="no:NAME",
                    help="block a plugin")
 
 
-def _recipe_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe")
+def recipe_args(p: argparse.ArgumentParser, **recipe: Any) -> None:
+    """RECIPE (`recipe`: its add_argument options), key=value overrides, the plugin options."""
+    p.add_argument("recipe", **recipe)
     p.add_argument("overrides", nargs="*", default=[], metavar="key=value",
                    help="config overrides, e.g. trainer.steps=50 seed=1 (before or after options)")
-    _plugin_args(p)
+    plugin_args(p)
 
 
-def _run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", nargs="?", help="with --resume: optional (default: the run's config)")
-    p.add_argument("overrides", nargs="*", default=[], metavar="key=value",
-                   help="config overrides, e.g. trainer.steps=50 seed=1 (before or after options)")
-    _plugin_args(p)
+def run_args(p: argparse.ArgumentParser) -> None:
+    recipe_args(p, nargs="?", help="with --resume: optional (default: the run's config)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its latest "
                    "checkpoint (the config may change only in checkpoint.SAFE_TO_CHANGE)")
@@ -81,14 +80,14 @@ def check_against_plugins(cfg: Config, plugins: Plugins) -> None:
             "set trainer.mini_batches > 1 for a trust region")
 
 
-def _validate(args: argparse.Namespace) -> int:
+def validate(args: argparse.Namespace) -> int:
     cfg, _ = load(args.recipe, args.overrides, args.plugin, args.blocked)
     print(f"ok: {args.recipe} (estimator={cfg.algorithm.estimator}, loss={cfg.algorithm.loss}"
           f", agent={cfg.agent.name}, scheme={cfg.rollout.scheme}, engine={cfg.engine.name})")
     return 0
 
 
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.resume:
         from molt_core.run.checkpoint import prepare_resume, resume_recipe
         args.recipe, args.overrides = resume_recipe(args.resume, args.recipe, args.overrides)
@@ -117,7 +116,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The `molt` command; its dispatcher lives with the tool commands (`molt_tools.commands`)."""
+    """`python -m molt_core[.cli]`: the `molt` command, whose dispatcher (the console script's
+    target) lives with the tool commands."""
     from molt_tools.commands import main as dispatch
     return dispatch(argv)
 

@@ -1,11 +1,14 @@
-"""THE training loop: batch -> filter -> estimator -> loss/step -> weight sync -> hooks."""
+"""THE training loop: generate -> filter -> advantages -> train -> sync weights -> evaluate, log,
+checkpoint."""
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
@@ -37,81 +40,96 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
     between)."""
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     vocab_size = AutoConfig.from_pretrained(cfg.model.path).get_text_config().vocab_size
-    estimator = plugins.get("estimator", cfg.algorithm.estimator)
-    loss_fn = plugins.get("loss", cfg.algorithm.loss)
     agent = plugins.get("agent", cfg.agent.name)(cfg, tokenizer, plugins, **cfg.agent.args)
     torch.manual_seed(cfg.seed)
-    history: list[dict[str, Any]] = []
     with cluster.start(cfg, plugins) as (policy, engines):
         generator = Generator(agent, engines, cfg, tokenizer, vocab_size)
-        scheme = plugins.get("rollout_scheme", cfg.rollout.scheme)(cfg, generator, policy, engines)
-        restarts = EngineRestarts(cfg, plugins, generator,      # replaces dead engines
-                                          lambda es: policy.push_weights(es, scheme.version))
+        # the scheme pushes weights through `restarts`, which replaces engines that die
+        restarts = EngineRestarts(cfg, plugins, generator, policy, lambda: scheme.version)
+        scheme = plugins.get("rollout_scheme", cfg.rollout.scheme)(cfg, generator, restarts,
+                                                                   engines)
         ckpt = Checkpointer(cfg, run_dir, policy, engines, generator, scheme, plugins)
         start, version = ckpt.restore(resume)    # version: the weights being trained
         sink = MetricsSink(run_dir, cfg.trainer.steps, progress,
                            [plugins.get("metric_sink", s)(run_dir, cfg) for s in cfg.log.sinks])
         saved = TrajectoryWriter(run_dir, tokenizer, cfg.log.trajectories_every,
                                  cfg.log.trajectories_per_step, generator.task_of, start)
-        alg = cfg.algorithm
         refill = getattr(scheme, "refill", generator.generate)   # for batch filters (DAPO)
-
-        def held_out(step: int) -> None:    # its own row: the weights after `step` updates
-            if eval_due(cfg, step):
-                row = evaluate(cfg, plugins, engines, tokenizer, vocab_size)
-                sink.log(step, row)
-                history.append({"step": step, **row})
+        log = _Log(cfg, plugins, sink, partial(evaluate, cfg, plugins, engines, tokenizer,
+                                                vocab_size))
         try:
             for step in range(start, cfg.trainer.steps):
-                held_out(step)
-                t0 = time.perf_counter()
-                groups = scheme.next_batch(step)
-                t_gen = time.perf_counter() - t0
+                log.held_out(step)
+                t0, times = time.perf_counter(), {}
+                with _timed(times, "time/generate_s"):
+                    groups = scheme.next_batch(step)
                 groups = filter_batch(plugins, groups, step, refill)
                 if not groups:          # the filters kept nothing: no update this step, counted
                     generator.counters["trainer/empty_batches"] += 1
-                    history.append(metrics := {"version": version, **generator.counters})
-                    plugins.hook.molt_on_step_end(step=step, metrics=metrics)
-                    sink.log(step, metrics)
+                    log(step, {"version": version, **generator.counters})
                     continue
                 trajs = [t for g in groups for t in g]
+                batch, adv, adv_metrics = training_batch(
+                    trajs, plugins.get("estimator", cfg.algorithm.estimator), cfg.algorithm,
+                    policy, cfg.sampling.temperature, tokenizer.pad_token_id or 0)
+                with _timed(times, "time/train_s"):
+                    metrics = policy.train(batch, train_step(cfg, plugins, step, version))
                 rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-                batch, adv, adv_metrics = training_batch(trajs, estimator, alg, policy,
-                                                         cfg.sampling.temperature,
-                                                         tokenizer.pad_token_id or 0)
-                t1 = time.perf_counter()
-                metrics = policy.train(batch, TrainStep(
-                    loss_fn, {**alg.loss_args, **opt_in(loss_fn, step=step)}, alg.loss_agg,
-                    cfg.sampling.temperature, alg.correction, alg.correction_args, version,
-                    asdict(alg.terms)))
-                t2 = time.perf_counter()
                 metrics.update(rollout_metrics(trajs, rewards, adv, version), **adv_metrics,
                                **generator.counters)
-                version = restarts.after_train(scheme, step)
-                t3 = time.perf_counter()
+                with _timed(times, "time/weight_sync_s"):
+                    version = scheme.sync_weights(step)
                 saved.write(step, trajs, policy)
-                if consistency_due(cfg, step) and not metrics.get("mismatch/on_policy_fraction"):
-                    # async/partial: no token of this batch came from the weights just trained,
-                    # so probe fresh on-policy tokens of the weights just pushed instead
-                    metrics["mismatch/max_abs"] = probe_consistency(generator, policy, version,
-                                                                    cfg.sampling.temperature)
-                check_consistency(cfg, step, metrics)
-                metrics.update({"version": version, "time/generate_s": t_gen,
-                                "time/engine_busy_s": generator.client.busy_s(),
-                                "time/train_s": t2 - t1, "time/weight_sync_s": t3 - t2,
-                                "time/step_s": time.perf_counter() - t0})
-                plugins.hook.molt_on_step_end(step=step, metrics=metrics)
-                sink.log(step, metrics)
-                history.append(metrics)
+                verify(cfg, step, metrics, generator, policy, version)
+                log(step, {**metrics, "version": version, **times,
+                           "time/engine_busy_s": generator.client.busy_s(),
+                           "time/step_s": time.perf_counter() - t0})
                 if ckpt.step_end(step, version):     # SIGINT/SIGTERM: saved; stop
-                    return history
-            held_out(cfg.trainer.steps)
+                    return log.history
+            log.held_out(cfg.trainer.steps)
         finally:
             ckpt.close()
             sink.close()
             saved.close()
             generator.close()
-    return history
+    return log.history
+
+
+def train_step(cfg: Config, plugins: Plugins, step: int, version: int) -> TrainStep:
+    """What `policy.train` does with one batch: the loss and its arguments, the terms."""
+    alg = cfg.algorithm
+    loss_fn = plugins.get("loss", alg.loss)
+    return TrainStep(loss_fn, {**alg.loss_args, **opt_in(loss_fn, step=step)}, alg.loss_agg,
+                     cfg.sampling.temperature, alg.correction, alg.correction_args, version,
+                     asdict(alg.terms))
+
+
+@contextmanager
+def _timed(times: dict[str, float], key: str) -> Iterator[None]:
+    t = time.perf_counter()
+    yield
+    times[key] = time.perf_counter() - t
+
+
+class _Log:
+    """Where rows go: `molt_on_step_end`, the metric sinks, the returned `history`; with
+    `eval.every`, held-out evaluation rows ({"step": updates so far, "eval/...": ...})."""
+
+    def __init__(self, cfg: Config, plugins: Plugins, sink: MetricsSink,
+                 evaluate: Callable[[], dict[str, float]]) -> None:
+        self.cfg, self.plugins, self.sink, self.evaluate = cfg, plugins, sink, evaluate
+        self.history: list[dict[str, Any]] = []
+
+    def __call__(self, step: int, metrics: dict[str, Any]) -> None:
+        self.plugins.hook.molt_on_step_end(step=step, metrics=metrics)
+        self.sink.log(step, metrics)
+        self.history.append(metrics)
+
+    def held_out(self, step: int) -> None:    # its own row: the weights after `step` updates
+        if eval_due(self.cfg, step):
+            row = self.evaluate()
+            self.sink.log(step, row)
+            self.history.append({"step": step, **row})
 
 
 def filter_batch(plugins: Plugins, groups: list, step: int, refill: Any) -> list:
@@ -127,6 +145,17 @@ def filter_batch(plugins: Plugins, groups: list, step: int, refill: Any) -> list
 def consistency_due(cfg: Config, step: int) -> bool:
     every = cfg.check.consistency_every
     return bool(every) and step % every == 0
+
+
+def verify(cfg: Config, step: int, metrics: dict[str, Any], generator: Generator, policy: Any,
+           version: int) -> None:
+    """`check_consistency` after the weight sync; with no on-policy token in the batch
+    (async/partial: none came from the weights just trained), on fresh on-policy tokens of the
+    weights just pushed instead."""
+    if consistency_due(cfg, step) and not metrics.get("mismatch/on_policy_fraction"):
+        metrics["mismatch/max_abs"] = probe_consistency(generator, policy, version,
+                                                        cfg.sampling.temperature)
+    check_consistency(cfg, step, metrics)
 
 
 def probe_consistency(generator: Generator, policy: Any, version: int, temperature: float

@@ -23,14 +23,14 @@ __all__ = ["rollout", "rollout_args", "serve", "serve_args", "token_view"]
 
 
 def serve_args(p: Any) -> None:
-    from molt_core.cli import _recipe_args
-    _recipe_args(p)
+    from molt_core.cli import recipe_args
+    recipe_args(p)
     p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
 
 
 def rollout_args(p: Any) -> None:
-    from molt_core.cli import _recipe_args
-    _recipe_args(p)
+    from molt_core.cli import recipe_args
+    recipe_args(p)
     p.add_argument("-n", type=int, default=4, help="rollouts to run (default 4)")
     p.add_argument("--quiet", action="store_true", help="rewards only, no token view")
 

@@ -18,10 +18,10 @@ __all__ = ["COMMANDS", "main", "parse"]
 
 # name -> (help, add_args(parser), main(args) -> exit code)
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "run": ("train with a recipe", "molt_core.cli:_run_args", "molt_core.cli:_run"),
-    "validate": ("check a recipe, start nothing", "molt_core.cli:_recipe_args",
-                 "molt_core.cli:_validate"),
-    "plugins": ("list loaded plugins and the hooks they implement", "molt_core.cli:_plugin_args",
+    "run": ("train with a recipe", "molt_core.cli:run_args", "molt_core.cli:run"),
+    "validate": ("check a recipe, start nothing", "molt_core.cli:recipe_args",
+                 "molt_core.cli:validate"),
+    "plugins": ("list loaded plugins and the hooks they implement", "molt_core.cli:plugin_args",
                 "molt_tools.plugin_info:main"),
     "config": ("print the resolved config: every key, its value and its doc",
                "molt_tools.config_doc:add_args", "molt_tools.config_doc:main"),

@@ -68,8 +68,8 @@ def render(obj: Any, indent: int = 0) -> list[str]:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from molt_core.cli import _recipe_args
-    _recipe_args(p)
+    from molt_core.cli import recipe_args
+    recipe_args(p)
 
 
 def main(args: argparse.Namespace) -> int:

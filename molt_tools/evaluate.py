@@ -17,9 +17,9 @@ __all__ = ["add_args", "main", "model_dir"]
 
 
 def add_args(p: Any) -> None:
-    from molt_core.cli import _recipe_args
+    from molt_core.cli import recipe_args
     p.add_argument("model", help="HF model dir, PEFT adapter dir, or Molt checkpoint")
-    _recipe_args(p)
+    recipe_args(p)
 
 
 def model_dir(path: str, scratch: Path) -> Path:

@@ -242,7 +242,7 @@ _ROLLOUT = '''\
 
 A scheme decides how generation and training interleave. `molt run recipe.yaml --plugin {name}`
 makes `rollout.scheme` `{name}`. This one is strictly on-policy (generate, train, push weights);
-change `next_batch` / `after_train` to overlap them.
+change `next_batch` / `sync_weights` to overlap them.
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ class {cls}:
         """The complete prompt groups to train on at `step` (blocking)."""
         return self.generator.generate(self.cfg.rollout.groups_per_step)
 
-    def after_train(self, step: int) -> int:
+    def sync_weights(self, step: int) -> int:
         """Called after each optimizer step; push weights when the scheme decides. Returns the
         weight version the engines now serve."""
         self.version += 1
@@ -311,7 +311,7 @@ def test_generate_then_push_each_step():
     scheme = {module}.{cls}(cfg, gen, pol, engines=[])
     for step in range(2):
         assert len(scheme.next_batch(step)) == 3
-        assert scheme.after_train(step) == step + 1
+        assert scheme.sync_weights(step) == step + 1
     assert gen.calls == [3, 3] and pol.pushed == [1, 2]
 
 

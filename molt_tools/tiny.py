@@ -16,10 +16,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig,
                           PreTrainedTokenizerFast, Qwen3Config, Qwen3MoeConfig, Qwen3VLConfig)
 
-__all__ = ["ARCHS", "CHAT_TEMPLATE", "IMAGE_SIZE", "SPECIAL_TOKENS", "VISION_TOKENS",
+__all__ = ["ARCHS", "CHARSET", "CHAT_TEMPLATE", "IMAGE_SIZE", "SPECIAL_TOKENS", "VISION_TOKENS",
            "build_char_tokenizer", "build_tiny_model", "build_tokenizer"]
 
 ARCHS = ("qwen3", "qwen3_moe", "qwen3_vl")
+CHARSET = "abcdefghijklmnopqrstuvwxyz0123456789 ?!.,:;+-*/=()"   # `--chars`: the toy alphabet
 PAD, EOS = "<|endoftext|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, "<|im_start|>", EOS, "<tool_call>", "</tool_call>", "<think>", "</think>"]
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -202,7 +203,6 @@ def add_args(p: Any) -> None:
 
 
 def main(args: Any) -> int:
-    from molt_core.cli import CHARSET
     # Appended, so the ids of CHARSET stay; a separate choice, since a bigger vocab would change
     # the toy recipes' random init and action space.
     tools = CHARSET + '{}"[]_<>\'#' + "ABCDEFGHIJKLMNOPQRSTUVWXYZ"

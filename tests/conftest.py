@@ -50,7 +50,7 @@ def tiny_recipe(tmp_path: Path, tiny_model_dir: Path) -> str:
 @pytest.fixture(scope="session")
 def tiny_chars_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The CPU recipe's model: tiny Qwen3 with a character-level tokenizer."""
-    from molt_core.cli import CHARSET
+    from molt_tools.tiny import CHARSET
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "chars", "qwen3", charset=CHARSET)
 
@@ -58,7 +58,7 @@ def tiny_chars_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny Qwen3-VL (random vision tower, image processor) with the character-level tokenizer."""
-    from molt_core.cli import CHARSET
+    from molt_tools.tiny import CHARSET
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "vl", "qwen3_vl", charset=CHARSET)
 

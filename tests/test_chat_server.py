@@ -457,19 +457,6 @@ def test_auth_unknown_session_and_loopback_only(tiny_model_dir, tok):
     assert refused and all(refused.values()), refused
 
 
-def test_generator_close_shuts_the_shared_server_down(tiny_model_dir):
-    from molt_core.chat.server import shared_server
-    from molt_core.cli import load
-    from molt_core.rollout.generator import Generator
-
-    gen = Generator(None, [], load(None, [f"model.path={tiny_model_dir}", "agent.args.env=next_letter"])[0], None, 0)
-    server = gen.submit(shared_server()).result(timeout=10)
-    socket.create_connection((server.host, server.port), timeout=2).close()   # serving
-    gen.close()
-    with pytest.raises(OSError):
-        socket.create_connection((server.host, server.port), timeout=2).close()
-
-
 MALFORMED = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 + 4"}\n</tool_call>'
 COUNT = "one two three four"
 

@@ -45,7 +45,7 @@ def test_vllm_serves_the_export_with_the_trainers_logprobs(ray_local, tmp_path_f
     import ray
 
     from molt_core.run import checkpoint
-    from molt_core.cli import CHARSET
+    from molt_tools.tiny import CHARSET
     from molt_core.config import TrainerConfig
     from molt_core.engines.vllm import VLLMEngine
     from molt_core.policy.handle import Policy

@@ -23,7 +23,7 @@ RECIPE = Path(__file__).parents[1] / "recipes/cpu/next_letter_moe.yaml"
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from molt_core.cli import CHARSET
+    from molt_tools.tiny import CHARSET
     from molt_tools.tiny import build_tiny_model
 
     tmp = tmp_path_factory.mktemp("moe_vllm")

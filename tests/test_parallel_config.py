@@ -16,7 +16,8 @@ import yaml
 
 from molt_core.run import cluster
 from molt_core.cli import check_against_plugins
-from molt_core.config import Config, ConfigError, TrainerConfig, load_config, model_facts
+from molt_core.config import Config, ConfigError, TrainerConfig, load_config
+from molt_core.config_rules import model_facts
 from molt_core.plugins import build_plugins
 
 RECIPE = "recipes/cpu/next_letter.yaml"

@@ -111,7 +111,7 @@ def test_partial_rollout_switches_versions_inside_a_response(ray_local, tiny_mod
         trajs = [t for g in first for t in g]
         batch = collate(trajs, [[1.0 if i % 2 else -1.0] * len(t) for i, t in enumerate(trajs)])
         policy.train(batch, TrainStep(ppo_clip_loss, {}, "token-mean", 1.0, "tis", {}, 0))
-        assert scheme.after_train(0) == 1                   # pause, push, resume mid-response
+        assert scheme.sync_weights(0) == 1                  # pause, push, resume mid-response
         gen.stop_pool()
         rest = gen.take(gen.pool_state()["buffered"])
         out = first + rest

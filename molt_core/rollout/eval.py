@@ -39,6 +39,9 @@ class _HeldOut:
         ctx.task = EVAL_TASKS + ctx.group_id
         return await self.agent.rollout(ctx)
 
+    def __getattr__(self, name: str) -> Any:       # the agent's `aclose`, if it has one
+        return getattr(self.agent, name)
+
 
 def _merge(base: dict, over: dict) -> dict:
     out = dict(base)

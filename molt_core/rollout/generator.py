@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-import sys
 import threading
 from collections import Counter
 from concurrent import futures
@@ -62,7 +61,7 @@ class Generator:
         self._pool_error: BaseException | None = None
         self._failed_in_a_row = 0
         self._changed: asyncio.Event | None = None
-        self.revive: Callable[[dict[int, str]], None] | None = None   # cluster.EngineRestarts
+        self._revive: Callable[[dict[int, str]], None] | None = None   # see on_engine_death
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
                                         name="molt-generator")
@@ -100,6 +99,11 @@ class Generator:
                 self._refill()
         self.submit(load()).result()
 
+    def on_engine_death(self, revive: Callable[[dict[int, str]], None]) -> None:
+        """From now on a dead engine's requests go out again, and `revive(dead)` ({index: cause})
+        replaces the engines, called on the driver's thread while it waits for rollouts."""
+        self._revive, self.client.reissue = revive, True
+
     def submit(self, coro: Awaitable) -> Any:
         """Schedule a coroutine on the generator loop; returns a concurrent Future."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -111,8 +115,8 @@ class Generator:
     def _wait(self, fut: futures.Future) -> Any:
         """`fut`'s result; engines that die meanwhile are replaced here, on the driver's thread."""
         while not futures.wait([fut], timeout=1.0).done:
-            if self.client.dead and self.revive is not None:
-                self.revive(dict(self.client.dead))
+            if self.client.dead and self._revive is not None:
+                self._revive(dict(self.client.dead))
         return fut.result()
 
     async def collect(self, num_groups: int) -> list[list[Trajectory]]:
@@ -283,15 +287,14 @@ class Generator:
         return await self.client.generate(prompt_ids, sampling or self.sampling, images)
 
     def close(self) -> None:
-        if self._inflight:
+        """Cancel the running groups, let the agent release what it holds on this loop (its
+        `aclose()`, if it has one: the chat agent's server), stop the loop."""
+        closing = [self._cancel_all()] if self._inflight else []
+        if hasattr(self.agent, "aclose"):
+            closing.append(self.agent.aclose())
+        for coro in closing:
             try:
-                self.submit(self._cancel_all()).result(timeout=5)
-            except Exception:  # closing anyway
-                pass
-        chat = sys.modules.get("molt_core.chat.server")   # imported only by chat agents
-        if chat is not None:
-            try:
-                self.submit(chat.shutdown_shared()).result(timeout=5)
+                self.submit(coro).result(timeout=5)
             except Exception:  # closing anyway
                 pass
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -1,4 +1,9 @@
-"""Engine restarts: a dead engine actor is replaced and loaded with the trainer's weights."""
+"""Engine restarts: a dead engine actor is replaced and loaded with the trainer's weights.
+
+Rollout schemes push weights through `EngineRestarts.push_weights` (the trainer hands it to the
+scheme as its `policy`): a push that meets a dead engine replaces it and is redone to every
+engine, under the conditions the scheme pushed under (requests held, engines paused).
+"""
 
 from __future__ import annotations
 
@@ -20,17 +25,35 @@ class EngineDiedError(RuntimeError):
 
 
 class EngineRestarts:
-    """Replaces dead engine actors (same options), loaded with the trainer's current weights and
-    version (`push(engines)`), `engine.max_restarts` times per run (`faults/engine_restarts`):
-    while the driver waits for rollouts, and when the push after a train step meets one."""
+    """Replaces dead engine actors (same options), loaded with the trainer's current weights,
+    `engine.max_restarts` times per run (`faults/engine_restarts`): while the driver waits for
+    rollouts (then with `version()`, the engines' weight version), and when a push meets one."""
 
-    def __init__(self, cfg: Config, plugins: Any, generator: Any, push: Callable) -> None:
-        self.cfg, self.plugins, self.gen, self.push = cfg, plugins, generator, push
+    def __init__(self, cfg: Config, plugins: Any, generator: Any, policy: Any,
+                 version: Callable[[], int]) -> None:
+        self.cfg, self.plugins, self.gen, self.policy = cfg, plugins, generator, policy
         self.engines = generator.client.engines        # the run's list: replaced in place
-        generator.revive, generator.client.reissue = self.revive, True
+        generator.on_engine_death(lambda dead: self.revive(dead, version()))
         generator.counters.setdefault("faults/engine_restarts", 0)
 
-    def revive(self, dead: dict[int, str], push_all: bool = False) -> None:
+    def push_weights(self, engines: list[Any], version: int) -> Any:
+        """`policy.push_weights(engines, version)`; if it met a dead engine, that one is replaced
+        and the push redone to every engine."""
+        from molt_core.weight_sync import WeightSyncError   # imports torch: not before prestart
+        try:
+            return self.policy.push_weights(engines, version)
+        except (WeightSyncError, ray.exceptions.RayActorError):
+            dead = dict(self.gen.client.dead)
+            for i, e in enumerate(self.engines):
+                try:
+                    ray.get(e.get_version.remote(), timeout=self.cfg.engine.timeout_s)
+                except ray.exceptions.RayActorError as err:
+                    dead[i] = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+            if not dead:
+                raise
+        self.revive(dead, version, push_all=True)
+
+    def revive(self, dead: dict[int, str], version: int, push_all: bool = False) -> None:
         """Replace engines `dead` ({index: cause}), push them (`push_all`: all) the weights."""
         for i, cause in sorted(dead.items()):
             n = self.gen.counters["faults/engine_restarts"]
@@ -44,26 +67,8 @@ class EngineRestarts:
             self.engines[i] = spawn_engine(self.cfg, self.plugins, i, f"-r{n + 1}")
         ray.get([self.engines[i].get_version.remote() for i in dead],    # loaded: as at start
                 timeout=self.cfg.engine.timeout_s)
-        self.push(self.engines if push_all else [self.engines[i] for i in dead])
+        self.policy.push_weights(self.engines if push_all else [self.engines[i] for i in dead],
+                                 version)
         for i in dead:
             self.gen.client.dead.pop(i, None)
         self.gen.release_requests()
-
-    def after_train(self, scheme: Any, step: int) -> int:
-        """`scheme.after_train(step)`; if its push met a dead engine, that one is replaced and the
-        push of `scheme.version` redone to every engine, requests held."""
-        from molt_core.weight_sync import WeightSyncError   # imports torch: not before prestart
-        try:
-            return scheme.after_train(step)
-        except (WeightSyncError, ray.exceptions.RayActorError):
-            dead = dict(self.gen.client.dead)
-            for i, e in enumerate(self.engines):
-                try:
-                    ray.get(e.get_version.remote(), timeout=self.cfg.engine.timeout_s)
-                except ray.exceptions.RayActorError as err:
-                    dead[i] = " ".join(f"{type(err).__name__}: {err}".split())[:300]
-            if not dead:
-                raise
-        self.gen.hold_requests()         # released by revive (left held if it fails: run over)
-        self.revive(dead, push_all=True)
-        return scheme.version

@@ -21,7 +21,7 @@ from typing import Any
 from transformers import AutoConfig
 
 from molt_core import hookimpl
-from molt_core.chat.server import require_chat_template, shared_server
+from molt_core.chat.server import require_chat_template, shared_server, shutdown_shared
 from molt_core.config import Config, ConfigError
 from molt_core.contracts import RolloutContext
 from molt_core.trajectory import Trajectory
@@ -97,6 +97,10 @@ class ChatRunner:
             traj.reward = float(result)
         traj.info.update(chat.info)
         return traj
+
+    async def aclose(self) -> None:
+        """The generator's close: the shared server of its loop stops (if one was started)."""
+        await shutdown_shared()
 
 
 @hookimpl

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import openai
 import pytest
@@ -89,3 +90,14 @@ def test_agent_errors_propagate_and_close_the_session(chat_tiny_dir):
 def test_unknown_chat_agent_lists_valid(chat_tiny_dir):
     with pytest.raises(PluginError, match="unknown chat_agent 'nope'; valid: agents_calculator, calculator"):
         runner_for(chat_tiny_dir, agent="nope")
+
+
+def test_generator_close_shuts_the_shared_server_down(chat_tiny_dir):
+    from molt_core.rollout.generator import Generator
+
+    gen = Generator(runner_for(chat_tiny_dir, agent="calculator"), [], Config(), None, 0)
+    server = gen.submit(shared_server()).result(timeout=10)
+    socket.create_connection((server.host, server.port), timeout=2).close()   # serving
+    gen.close()
+    with pytest.raises(OSError):
+        socket.create_connection((server.host, server.port), timeout=2).close()

@@ -49,7 +49,7 @@ class AsyncScheme:
                                 self.generator.counters)
         return out
 
-    def after_train(self, step: int) -> int:
+    def sync_weights(self, step: int) -> int:
         self.version += 1
         self.generator.hold_requests()
         try:

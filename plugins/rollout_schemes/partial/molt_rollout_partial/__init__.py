@@ -19,15 +19,22 @@ __all__ = ["PartialScheme"]
 
 
 class PartialScheme(AsyncScheme):
-    def after_train(self, step: int) -> int:
+    def sync_weights(self, step: int) -> int:
         self.version += 1
-        timeout = self.cfg.trainer.weight_sync_timeout_s
         try:       # the pause inside: an engine that died must not leave the others paused
-            ray.get([e.pause.remote() for e in self.engines], timeout=timeout)
-            self.push()
+            self._each("pause")
+            self.push()             # a dead engine is replaced there, the push redone
         finally:
-            ray.get([e.resume.remote() for e in self.engines], timeout=timeout)
+            self._each("resume")
         return self.version
+
+    def _each(self, method: str) -> None:
+        """`method` on every engine; a dead one is left to the push (which replaces it)."""
+        for ref in [getattr(e, method).remote() for e in self.engines]:
+            try:
+                ray.get(ref, timeout=self.cfg.trainer.weight_sync_timeout_s)
+            except ray.exceptions.RayActorError:
+                pass
 
 
 @hookimpl

@@ -18,7 +18,7 @@ class SyncScheme:
     def next_batch(self, step: int) -> list[list[Trajectory]]:
         return self.generator.generate(self.cfg.rollout.groups_per_step)
 
-    def after_train(self, step: int) -> int:
+    def sync_weights(self, step: int) -> int:
         self.version += 1
         self.policy.push_weights(self.engines, self.version)
         return self.version
