@@ -189,7 +189,7 @@ def test_export_matches_the_trainer(ray_local, tmp_path_factory, arch):
     Auto class for its kind) and gives the trainer's log-probs (fp32, <= 1e-5)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-    from molt_core.cli import CHARSET
+    from molt_tools.tiny import CHARSET
     from molt_core.config import TrainerConfig
     from molt_core.policy.logprobs import token_logprobs
     from molt_core.policy.handle import Policy

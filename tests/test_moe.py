@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from molt_core.config import TrainerConfig
 from molt_core.engines.hf import HFEngine
 from molt_core.policy.handle import Policy
-from molt_tools.tiny import build_tiny_model
+from molt_tools.tiny import CHARSET, build_tiny_model
 from molt_core.trajectory import Completion, InvariantError, Trajectory, collate
 from molt_core.policy.objective import TrainStep
 from molt_grpo import ppo_clip_loss
@@ -245,7 +245,7 @@ def test_next_letter_moe_learns(ray_local, tmp_path):
     """recipes/cpu/next_letter_moe.yaml (tiny Qwen3-MoE, routing replay, aux loss) learns."""
     import yaml
 
-    from molt_core.cli import CHARSET, load
+    from molt_core.cli import load
     from molt_core.trainer import train
 
     model = build_tiny_model(tmp_path / "chars_moe", "qwen3_moe", charset=CHARSET)
