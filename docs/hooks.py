@@ -1,6 +1,6 @@
 """MkDocs hook: the configuration reference page, generated at build time from the config
-dataclasses exactly as `molt config` prints them (`molt_tools.config_doc.render`), so it cannot go
-stale. Shipped plugins' config sections are included when their packages are installed."""
+dataclasses as `molt config` prints them (`molt_tools.config_doc.render`), so it cannot go stale.
+Shipped plugins' config sections are included when their packages are installed."""
 
 from __future__ import annotations
 
@@ -16,12 +16,10 @@ that sets nothing. A recipe is YAML with these sections; `key=value` on the comm
 overrides any key (`trainer.steps=50`, `engine.args.max_model_len=4096`); unknown keys and wrong
 types are errors that list the valid keys. Plugin sections (last) belong to the plugin of the
 same name and exist only when it is installed.
-
-```yaml
 """
 
 
-def config_page() -> str:
+def config_lines() -> list[str]:
     from molt_core.config import Config
     from molt_core.plugins import build_plugins
     from molt_tools.config_doc import render
@@ -29,7 +27,36 @@ def config_page() -> str:
     cfg = Config()
     sections = build_plugins().registry["config_section"]
     cfg.plugins = {name: cls() for name, cls in sorted(sections.items())}
-    return INTRO + "\n".join(render(cfg)) + "\n```\n"
+    return render(cfg)
+
+
+def tables(lines: list[str]) -> list[str]:
+    """`render`'s `key: value  # doc` lines as one table per top-level section."""
+    out, path, top = [], [], []
+    row = "| `{}` | `{}` | {} |"
+    for line in lines:
+        depth = (len(line) - len(line.lstrip())) // 2
+        body, _, doc = line.strip().partition("  # ")      # render writes `value  # doc`
+        doc = doc.replace("|", "&#124;")
+        key, _, value = body.partition(":")
+        path = path[:depth]
+        if not value.strip():                   # a section
+            path.append(key)
+            if depth == 0:
+                title = f"`{key}`" + (" (plugin section)" if doc == "plugin section" else "")
+                out += ["", f"## {title}", ""] + ([doc, ""] if doc and doc != "plugin section"
+                                                   else []) + ["| key | default | doc |",
+                                                               "|---|---|---|"]
+            continue
+        name = ".".join(path + [key])
+        (top if depth == 0 else out).append(row.format(name, value.strip(), doc))
+    return ["", "## Top level", "", "| key | default | doc |", "|---|---|---|", *top, *out]
+
+
+def config_page() -> str:
+    lines = config_lines()
+    return (INTRO + "\n".join(tables(lines)) + "\n\n## As `molt config` prints it\n\n```yaml\n"
+            + "\n".join(lines) + "\n```\n")
 
 
 def on_files(files: Files, config) -> Files:
