@@ -80,7 +80,8 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                 with _timed(times, "time/weight_sync_s"):
                     version = scheme.sync_weights(step)
                 saved.write(step, trajs, policy)
-                verify(cfg, step, metrics, generator, policy, version)
+                check_consistency(cfg, step, metrics, lambda: probe_consistency(
+                    generator, policy, version, cfg.sampling.temperature))
                 log(step, {**metrics, "version": version, **times,
                            "time/engine_busy_s": generator.client.busy_s(),
                            "time/step_s": time.perf_counter() - t0})
@@ -142,22 +143,6 @@ def filter_batch(plugins: Plugins, groups: list, step: int, refill: Any) -> list
     return groups
 
 
-def consistency_due(cfg: Config, step: int) -> bool:
-    every = cfg.check.consistency_every
-    return bool(every) and step % every == 0
-
-
-def verify(cfg: Config, step: int, metrics: dict[str, Any], generator: Generator, policy: Any,
-           version: int) -> None:
-    """`check_consistency` after the weight sync; with no on-policy token in the batch
-    (async/partial: none came from the weights just trained), on fresh on-policy tokens of the
-    weights just pushed instead."""
-    if consistency_due(cfg, step) and not metrics.get("mismatch/on_policy_fraction"):
-        metrics["mismatch/max_abs"] = probe_consistency(generator, policy, version,
-                                                        cfg.sampling.temperature)
-    check_consistency(cfg, step, metrics)
-
-
 def probe_consistency(generator: Generator, policy: Any, version: int, temperature: float
                       ) -> float:
     """Max |engine - trainer| log-prob over the trainable tokens of one fresh group that the
@@ -172,10 +157,16 @@ def probe_consistency(generator: Generator, policy: Any, version: int, temperatu
     return float((lp - batch["behavior_logprobs"]).abs()[on].max())
 
 
-def check_consistency(cfg: Config, step: int, metrics: dict[str, Any]) -> None:
-    """Invariant 3: on on-policy tokens the trainer must reproduce the engine's log-probs."""
-    if not consistency_due(cfg, step):
+def check_consistency(cfg: Config, step: int, metrics: dict[str, Any],
+                      probe: Callable[[], float] | None = None) -> None:
+    """Invariant 3: on on-policy tokens the trainer must reproduce the engine's log-probs. With
+    none in the batch (async/partial: no token came from the weights just trained), `probe()`
+    measures it on fresh on-policy tokens of the weights just pushed."""
+    every = cfg.check.consistency_every
+    if not every or step % every:
         return
+    if probe is not None and not metrics.get("mismatch/on_policy_fraction"):
+        metrics["mismatch/max_abs"] = probe()
     gap = metrics.get("mismatch/max_abs", 0.0)
     if not gap <= cfg.check.consistency_tol:        # NaN fails too
         raise ForwardConsistencyError(

@@ -29,9 +29,7 @@ class EngineClient:
     dies goes into `dead` ({index: cause}) and its requests go out again (else they fail)."""
 
     def __init__(self, engines: list[Any], timeout_s: float, window_s: float = 0.002) -> None:
-        self.engines = engines
-        self.timeout_s = timeout_s
-        self.window_s = window_s
+        self.engines, self.timeout_s, self.window_s = engines, timeout_s, window_s
         self.outstanding = [0] * len(engines)
         self._pending: list[tuple[list[int], dict, list[ImageInput], asyncio.Future]] = []
         self._ids = (f"{id(self):x}-{i}" for i in itertools.count())

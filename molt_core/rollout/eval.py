@@ -19,28 +19,12 @@ from typing import Any
 import torch
 
 from molt_core.config import Config
-from molt_core.contracts import RolloutContext
 from molt_core.rollout.generator import Generator
-from molt_core.trajectory import Trajectory
 
 __all__ = ["EVAL_TASKS", "eval_due", "evaluate"]
 
 EVAL_TASKS = 2**48
 GREEDY = {"temperature": 1.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0}
-
-
-class _HeldOut:
-    """The agent, on eval task `EVAL_TASKS + i` for the i-th group."""
-
-    def __init__(self, agent: Any) -> None:
-        self.agent = agent
-
-    async def rollout(self, ctx: RolloutContext) -> Trajectory:
-        ctx.task = EVAL_TASKS + ctx.group_id
-        return await self.agent.rollout(ctx)
-
-    def __getattr__(self, name: str) -> Any:       # the agent's `aclose`, if it has one
-        return getattr(self.agent, name)
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -70,7 +54,7 @@ def evaluate(cfg: Config, plugins: Any, engines: list[Any], tokenizer: Any,
             continue
         c = copy.deepcopy(cfg)
         c.rollout.group_size, c.sampling = k, dataclasses.replace(cfg.sampling, **knobs)
-        gen = Generator(_HeldOut(agent), engines, c, tokenizer, vocab_size)
+        gen = Generator(agent, engines, c, tokenizer, vocab_size, lambda g: EVAL_TASKS + g)
         try:
             groups = gen.generate(e.prompts)
         finally:

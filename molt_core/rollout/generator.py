@@ -43,10 +43,9 @@ class FailureRateError(RuntimeError):
 
 class Generator:
     def __init__(self, agent: Any, engines: list[Any], cfg: Config, tokenizer: Any,
-                 vocab_size: int) -> None:
-        self.agent = agent
-        self.cfg = cfg
-        self.tokenizer = tokenizer
+                 vocab_size: int, task_of: Callable[[int], int] | None = None) -> None:
+        self.agent, self.cfg, self.tokenizer = agent, cfg, tokenizer
+        self.task_of = task_of or self.task_of       # group id -> task (eval: its own tasks)
         self.client = EngineClient(engines, cfg.engine.timeout_s)
         self.sampling = {**vars(cfg.sampling)}
         self.counters: Counter[str] = Counter()
@@ -67,7 +66,7 @@ class Generator:
                                         name="molt-generator")
         self._thread.start()
 
-    def task_of(self, group_id: int) -> int:
+    def task_of(self, group_id: int) -> int:     # training's tasks
         return self.cfg.seed * 1_000_003 + group_id
 
     def new_group_id(self) -> int:

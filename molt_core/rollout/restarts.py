@@ -36,6 +36,9 @@ class EngineRestarts:
         generator.on_engine_death(lambda dead: self.revive(dead, version()))
         generator.counters.setdefault("faults/engine_restarts", 0)
 
+    def __getattr__(self, name: str) -> Any:    # the rest of what a scheme asks of its policy
+        return getattr(self.policy, name)
+
     def push_weights(self, engines: list[Any], version: int) -> Any:
         """`policy.push_weights(engines, version)`; if it met a dead engine, that one is replaced
         and the push redone to every engine."""

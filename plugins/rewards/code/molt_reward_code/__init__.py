@@ -225,20 +225,26 @@ def code_reward(response: str, answer: str, *, timeout_s: float = 5.0, memory_mb
     python = os.path.realpath(sys.executable)
     with tempfile.TemporaryDirectory(prefix="molt_code_") as tmp:
         d = Path(tmp)
-        results_r, results_w = os.pipe()
-        nonce_r, nonce_w = os.pipe()
-        nonce = secrets.token_hex(16)
-        os.write(nonce_w, nonce.encode())
-        os.close(nonce_w)
-        argv = _sandbox_argv(d, code, answer, layers, python, (results_w, nonce_r), timeout_s,
-                             memory_mb, max_output_kb, max_processes)
+        for name, text in (("solution.py", code), ("tests.py", answer), ("harness.py", _HARNESS)):
+            (d / name).write_text(text)
+        uid = 100_000 + secrets.randbelow(1_000_000) if "own_uid" in layers else None
+        if uid is not None:
+            for p in (d, *d.iterdir()):
+                os.chown(p, uid, uid)
+        rlimits = {"RLIMIT_AS": memory_mb * 2**20, "RLIMIT_CPU": max(1, int(timeout_s + 0.999)),
+                   "RLIMIT_FSIZE": max_output_kb * 1024, "RLIMIT_CORE": 0}
+        if uid is not None:
+            rlimits["RLIMIT_NPROC"] = max_processes
+        hide = [h for h in _hidden_homes() if not str(d).startswith(h + "/")] \
+            if "mount_ns" in layers else []
+        keep = next((sys.base_prefix for h in hide if sys.base_prefix.startswith(h + "/")), None)
+        setup = {"work": str(d), "mounts": "mount_ns" in layers, "hide": hide, "keep": keep,
+                 "reaper": "pid_ns" in layers, "rlimits": rlimits, "uid": uid, "python": python}
         t0 = time.perf_counter()
-        rc, timed_out, memory_hit = _launch(d, python, argv, layers, (results_w, nonce_r),
-                                            timeout_s, memory_mb, max_processes)
-        reports = _read_all(results_r).decode(errors="replace").splitlines()
+        rc, timed_out, memory_hit, mine = _launch(d, setup, layers, timeout_s, memory_mb,
+                                                  max_processes)
         stdout = (d / "stdout").read_bytes()[-4096:].decode(errors="replace")
         stderr = (d / "stderr").read_bytes()[-4096:].decode(errors="replace")
-    mine = [r.split(" ", 1)[1] for r in reports if r.startswith(nonce + " ")]
     info = {"returncode": rc, "seconds": round(time.perf_counter() - t0, 3), "stdout": stdout,
             "stderr": stderr, "network_isolated": "net_ns" in layers,
             "isolation": sorted(layers), "tests_passed": sum(m.startswith("ok ") for m in mine)}
@@ -252,42 +258,24 @@ def code_reward(response: str, answer: str, *, timeout_s: float = 5.0, memory_mb
     return float(reason == "passed"), info
 
 
-def _sandbox_argv(d: Path, code: str, answer: str, layers: set[str], python: str,
-                  fds: tuple[int, int], timeout_s: float, memory_mb: int, max_output_kb: int,
-                  max_processes: int) -> list[str]:
-    """The sandboxed child's command line: the files in `d` (owned by a fresh uid with
-    `own_uid`), its rlimits, hidden homes, and the namespaces `layers` allows."""
-    for name, text in (("solution.py", code), ("tests.py", answer), ("harness.py", _HARNESS)):
-        (d / name).write_text(text)
-    uid = 100_000 + secrets.randbelow(1_000_000) if "own_uid" in layers else None
-    if uid is not None:
-        for p in (d, *d.iterdir()):
-            os.chown(p, uid, uid)
-    rlimits = {"RLIMIT_AS": memory_mb * 2**20, "RLIMIT_CPU": max(1, int(timeout_s + 0.999)),
-               "RLIMIT_FSIZE": max_output_kb * 1024, "RLIMIT_CORE": 0}
-    if uid is not None:
-        rlimits["RLIMIT_NPROC"] = max_processes
-    hide = [h for h in _hidden_homes() if not str(d).startswith(h + "/")] \
-        if "mount_ns" in layers else []
-    keep = next((sys.base_prefix for h in hide if sys.base_prefix.startswith(h + "/")), None)
-    setup = {"work": str(d), "mounts": "mount_ns" in layers, "hide": hide, "keep": keep,
-             "reaper": "pid_ns" in layers,
-             "rlimits": rlimits, "uid": uid, "python": python,
-             "fds": [str(f) for f in fds]}
-    argv = [python, "-I", "-c", _SETUP, json.dumps(setup)]
+def _launch(d: Path, setup: dict, layers: set[str], timeout_s: float, memory_mb: int,
+            max_processes: int) -> tuple[int, bool, bool, list[str]]:
+    """Run the harness in `d` under `setup`, in the namespaces and cgroups `layers` allows
+    (cgroups that cannot be made are dropped from `layers`): (exit code, timed out, memory limit
+    hit, the harness's reports that carry this run's nonce)."""
+    results_r, results_w = os.pipe()
+    nonce_r, nonce_w = os.pipe()
+    nonce = secrets.token_hex(16)
+    os.write(nonce_w, nonce.encode())
+    os.close(nonce_w)
+    python, user = setup["python"], [] if os.geteuid() == 0 else ["-r"]
+    fds = {"fds": [str(results_w), str(nonce_r)]}
+    argv = [python, "-I", "-c", _SETUP, json.dumps({**setup, **fds})]
     if "pid_ns" in layers:
-        argv = ["unshare", *([] if os.geteuid() == 0 else ["-r"]), "--pid", "--fork",
-                "--kill-child", "--mount-proc", *(["-n"] if "net_ns" in layers else []),
-                *argv]
+        argv = ["unshare", *user, "--pid", "--fork", "--kill-child", "--mount-proc",
+                *(["-n"] if "net_ns" in layers else []), *argv]
     elif "net_ns" in layers:
-        argv = ["unshare", *([] if os.geteuid() == 0 else ["-r"]), "-n", *argv]
-    return argv
-
-
-def _launch(d: Path, python: str, argv: list[str], layers: set[str], fds: tuple[int, int],
-            timeout_s: float, memory_mb: int, max_processes: int) -> tuple[int, bool, bool]:
-    """Run `argv` through the launcher (in cgroups when `layers` has them: dropped from `layers`
-    if they cannot be made); returns (exit code, timed out, memory limit hit)."""
+        argv = ["unshare", *user, "-n", *argv]
     cgroups = None
     if "cgroup" in layers:
         try:
@@ -300,9 +288,9 @@ def _launch(d: Path, python: str, argv: list[str], layers: set[str], fds: tuple[
             proc = subprocess.Popen([python, "-I", "-c", _LAUNCHER, json.dumps(launch)],
                                     cwd=d, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                     env={"PATH": os.defpath, "PYTHONHASHSEED": "0"},
-                                    start_new_session=True, pass_fds=fds)
-            for fd in fds:
-                os.close(fd)
+                                    start_new_session=True, pass_fds=(results_w, nonce_r))
+            os.close(results_w)
+            os.close(nonce_r)
             try:
                 rc = proc.wait(timeout=timeout_s)
                 timed_out = False
@@ -314,10 +302,13 @@ def _launch(d: Path, python: str, argv: list[str], layers: set[str], fds: tuple[
             rc = proc.wait()
         if "pid_ns" in layers and rc > 128:        # the reaper's 128 + signal
             rc = 128 - rc
-        return rc, timed_out, cgroups is not None and cgroups.memory_hit()
+        memory_hit = cgroups is not None and cgroups.memory_hit()
     finally:
         if cgroups is not None:
             cgroups.close()
+    reports = _read_all(results_r).decode(errors="replace").splitlines()
+    return rc, timed_out, memory_hit, [r.split(" ", 1)[1] for r in reports
+                                       if r.startswith(nonce + " ")]
 
 
 def _read_all(fd: int) -> bytes:

@@ -9,6 +9,8 @@ engine recomputes the KV cache of in-flight requests after an update).
 
 from __future__ import annotations
 
+import contextlib
+
 import ray
 
 from molt_core import hookimpl
@@ -28,13 +30,10 @@ class PartialScheme(AsyncScheme):
             self._each("resume")
         return self.version
 
-    def _each(self, method: str) -> None:
-        """`method` on every engine; a dead one is left to the push (which replaces it)."""
+    def _each(self, method: str) -> None:      # a dead engine is left to the push to replace
         for ref in [getattr(e, method).remote() for e in self.engines]:
-            try:
+            with contextlib.suppress(ray.exceptions.RayActorError):
                 ray.get(ref, timeout=self.cfg.trainer.weight_sync_timeout_s)
-            except ray.exceptions.RayActorError:
-                pass
 
 
 @hookimpl
