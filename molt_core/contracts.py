@@ -1,13 +1,28 @@
-"""What plugins hand to the core, and what the core hands to them, as `typing.Protocol`s."""
+"""What plugins hand to the core, as `typing.Protocol`s, and what the core hands to agents.
+
+Each Protocol's docstrings are its contract (`tests/test_contracts.py` holds every shipped
+implementation to its names, parameters and async-ness). Tensors are CPU tensors; [B, T] is a
+`collate` batch, one row per trajectory segment (`molt_core.trajectory`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, runtime_checkable
 
-from molt_core.trajectory import Completion
+from molt_core.trajectory import Completion, ImageInput, Trajectory
 
-__all__ = ["RolloutContext"]
+if TYPE_CHECKING:
+    import torch
+
+    from molt_core.config import TrainerConfig
+    from molt_core.policy.objective import TrainStep
+    from molt_core.weight_sync import Meta
+
+__all__ = ["Agent", "Engine", "Env", "MetricSink", "Observation", "RolloutContext",
+           "RolloutScheme", "TrainerBackend"]
+
+Observation = str | list[dict]      # a user message, or chat messages (content may hold images)
 
 
 @dataclass
@@ -20,3 +35,150 @@ class RolloutContext:
     generate: Callable[..., Awaitable[Completion]]   # generate(prompt_ids, sampling=None,
                                                      #          images=None)
     tokenizer: Any
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A rollout engine (`molt_engines`). The core runs it as a Ray actor (`ray.remote(cls)`) and
+    calls every method by `.remote()`; a failed call raises, a dead actor is replaced. Optional:
+    `async rng_state()` / `set_rng_state(state)`, the sampling RNG kept in checkpoints."""
+
+    def __init__(self, model_path: str, *, dtype: str, max_batch_size: int, seed: int,
+                 num_threads: int) -> None:
+        """`model.*`, `engine.max_batch_size`, its seed and threads, and each `engine.args`."""
+
+    async def generate_batch(self, prompts: list[list[int]], samplings: list[dict],
+                             images: list[list[ImageInput]] | None = None,
+                             request_ids: list[str] | None = None
+                             ) -> list[Completion | Exception]:
+        """A `Completion` per prompt (ids, behavior log-probs, versions), a failed request's
+        exception in its place. Sampling dicts hold exactly `engines.SAMPLING_KEYS` (+
+        `stop_token_ids`); `images[i]`: prompt i's (VL); `request_ids`: for `abort`."""
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """The caller gave up on these: stop them (`molt_core.engines.Requests` keeps track)."""
+
+    async def pause(self) -> None:
+        """Stop decoding after the current step; requests in flight keep their state."""
+
+    async def resume(self) -> None:
+        """Undo `pause` (decoding stays blocked while a weight update is open)."""
+
+    async def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]],
+                             version: int) -> None:
+        """One bucket of full tensors by HF name; the first of `version` blocks decoding until
+        `finish_weight_update`. A wrong name, shape or dtype: ValueError, the update left open."""
+
+    async def finish_weight_update(self, version: int) -> None:
+        """Serve `version`; RuntimeError (update left open) if a parameter was not assigned."""
+
+    async def get_version(self) -> int:
+        """The version served (0 before any update); also the core's readiness probe."""
+
+    async def weight_group_info(self) -> tuple[int, str]:
+        """Transports `broadcast`, `shm`: (ranks this engine adds to the group, its node IP)."""
+
+    async def join_weight_group(self, host: str, port: int, rank: int, world_size: int,
+                                backend: str, timeout_s: float) -> None:
+        """`broadcast`: its i-th rank joins as `weight_sync.WeightGroup(.., rank + i, ..)`."""
+
+    async def receive_weights(self, metas: list[Meta], version: int) -> None:
+        """`broadcast`: one bucket from trainer rank 0 (`WeightGroup.receive`), loaded likewise."""
+
+    async def receive_shm(self, path: str, nbytes: int, metas: list[Meta], version: int) -> None:
+        """`shm`: one bucket from a `weight_sync.ShmChannel` file (`unpack`), loaded likewise."""
+
+
+@runtime_checkable
+class TrainerBackend(Protocol):
+    """The trainer (`molt_trainer_backends`), a driver object owning its ranks. `batch`: [B, T]
+    tensors from `collate`; results are 0 where not trainable. Calls block (TimeoutError past
+    `trainer.timeout_s`)."""
+
+    def __init__(self, model_path: str, trainer_cfg: TrainerConfig, *, dtype: str, seed: int,
+                 num_threads: int, actor_options: dict | None) -> None:
+        """Start `trainer_cfg.num_ranks` ranks; `actor_options`: each rank's Ray options."""
+
+    def train(self, batch: dict[str, torch.Tensor], spec: TrainStep) -> dict[str, float]:
+        """`trainer.epochs` x `mini_batches` optimizer steps; float metrics (`loss`, ...)."""
+
+    def logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0,
+                 with_routing: bool = False) -> Any:
+        """[B, T]; `with_routing` (MoE): and the [B, T, layers, k] experts used, or None."""
+
+    def trained_logprobs(self) -> torch.Tensor:
+        """[B, T] the log-probs the last `train` started from (pre-update)."""
+
+    def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[B, T] critic values (estimators with `needs_values`)."""
+
+    def ref_logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0
+                     ) -> torch.Tensor:
+        """[B, T] log-probs of the frozen initial weights (KL terms)."""
+
+    def full_params(self, adapter: bool = False, master: bool = False
+                    ) -> dict[str, torch.Tensor]:
+        """By HF name as engines get them (LoRA merged); `adapter` only; `master`: fp32."""
+
+    def push_weights(self, engines: list[Any], version: int) -> dict[str, Any]:
+        """To `Engine` actors; a dead one raises `weight_sync.WeightSyncError` or a Ray error."""
+
+    def save_checkpoint(self, path: str) -> bool:
+        """Write every rank's state under directory `path`; True when a critic was saved."""
+
+    def load_checkpoint(self, path: str, critic: bool) -> None:
+        """Restore what `save_checkpoint(path)` wrote (`critic`: what it returned)."""
+
+    def shutdown(self) -> None:
+        """Stop the ranks and release their resources (once, at the end of a run)."""
+
+
+@runtime_checkable
+class RolloutScheme(Protocol):
+    """When rollouts run and weights move (`molt_rollout_schemes`): `factory(cfg, generator,
+    policy, engines)` once per run. Optional: `refill(n) -> list[list[Trajectory]]`, n more
+    groups for `molt_filter_batch` (default `generator.generate`)."""
+
+    version: int        # the weights trained next; checkpoints restore it, new engines get it
+
+    def next_batch(self, step: int) -> list[list[Trajectory]]:
+        """The step's complete groups (`rollout.groups_per_step`), at the start of the step."""
+
+    def sync_weights(self, step: int) -> int:
+        """After the step's update: `policy.push_weights(engines, version)` when the scheme
+        decides (engines that die are replaced there); returns `version`."""
+
+
+@runtime_checkable
+class Agent(Protocol):
+    """Rollouts, many at once on the generator's event loop: await, never block (`molt_agents`:
+    `factory(cfg, tokenizer, plugins, **agent.args)`). Optional: `async aclose()`, called when
+    the generator closes (to release what it holds on that loop)."""
+
+    async def rollout(self, ctx: RolloutContext) -> Trajectory:
+        """A `Trajectory` from `ctx.generate` with its `reward`; raising drops the rollout."""
+
+
+@runtime_checkable
+class Env(Protocol):
+    """A Gym-style environment of the `gym` agent (`molt_envs`): one instance per rollout,
+    built with `agent.args.env_args`."""
+
+    async def reset(self, seed: int) -> Observation:
+        """Start the episode of task `seed`; return the first observation."""
+
+    async def step(self, action: str) -> tuple[Observation | None, float, bool, dict]:
+        """The policy's reply as text -> (observation, reward, done, info)."""
+
+
+@runtime_checkable
+class MetricSink(Protocol):
+    """Gets every metrics row besides `metrics.jsonl` (`molt_metric_sinks`: `factory(run_dir,
+    cfg)`, one per `log.sinks` name), synchronously in the driver."""
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """The row's numeric entries (`time`, `elapsed_s` too; held-out rows: `eval/...`)."""
+
+    def close(self) -> None:
+        """End of the run, also after an error."""
+

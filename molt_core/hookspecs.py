@@ -1,8 +1,8 @@
 """Every extension point of Molt. A plugin is a module with functions decorated `@molt.hookimpl`.
 
-Registration hooks return `{name: object}`; the core merges them across plugins and raises on a
-duplicate or unknown name, listing the valid ones. Pipeline hooks fire at named points of the
-training loop (see `trainer.py`). Full docs with examples: docs/plugins.md.
+Registration hooks return `{name: object}` (objects as `molt_core.contracts` declares them); the
+core merges them across plugins and raises on a duplicate or unknown name, listing the valid ones.
+Pipeline hooks fire at named points of the training loop (`trainer.py`). Docs: docs/plugins.md.
 """
 
 from __future__ import annotations
@@ -59,33 +59,33 @@ def molt_rewards() -> dict[str, Callable]:
 def molt_agents() -> dict[str, Callable]:
     """Register agent types.
 
-    Returns `{name: factory}`; `factory(cfg, tokenizer, plugins, **agent.args) -> agent` where the
-    agent has `async rollout(ctx: RolloutContext) -> Trajectory` (see `generator.py`).
+    Returns `{name: factory}`; `factory(cfg, tokenizer, plugins, **agent.args) -> agent`, an
+    `molt_core.contracts.Agent`: `async rollout(ctx: RolloutContext) -> Trajectory`.
     """
 
 
 @hookspec
 def molt_envs() -> dict[str, Callable]:
-    """Register Gym-style environments (classes with async `reset(seed)` and `step(action)`)."""
+    """Register Gym-style environments: `{name: class}`, each a `molt_core.contracts.Env`."""
 
 
 @hookspec
 def molt_engines() -> dict[str, type]:
-    """Register rollout engines: `{name: class}` (see `engines/hf.py` for the interface)."""
+    """Register rollout engines: `{name: class}`, each a `molt_core.contracts.Engine`."""
 
 
 @hookspec
 def molt_trainer_backends() -> dict[str, type]:
-    """Register trainer backends: `{name: class}` (see `policy.py` for the interface)."""
+    """Register trainer backends: `{name: class}`, each a `molt_core.contracts.TrainerBackend`."""
 
 
 @hookspec
 def molt_rollout_schemes() -> dict[str, Callable]:
     """Register rollout schemes.
 
-    Returns `{name: factory}`; `factory(cfg, generator, policy, engines) -> scheme` with
-    `next_batch(step) -> list[list[Trajectory]]` (complete groups) and `after_train(step) ->
-    int` (pushes weights when the scheme decides; returns the current weight version).
+    Returns `{name: factory}`; `factory(cfg, generator, policy, engines) -> scheme`, a
+    `molt_core.contracts.RolloutScheme`: `next_batch(step) -> list[list[Trajectory]]` (complete
+    groups), `sync_weights(step) -> int` (pushes when the scheme decides; the weight version).
     """
 
 
@@ -142,9 +142,9 @@ def molt_chat_agents() -> dict[str, type]:
 def molt_metric_sinks() -> dict[str, Callable]:
     """Register metric sinks (TensorBoard, W&B, ...), selected by `log.sinks: [name, ...]`.
 
-    Returns `{name: factory}`; `factory(run_dir: Path | None, cfg: Config) -> sink` with
-    `sink.log(step: int, metrics: dict[str, float])` (every numeric entry of the step's
-    `metrics.jsonl` row, incl. `time` and `elapsed_s`) and `sink.close()`.
+    Returns `{name: factory}`; `factory(run_dir: Path | None, cfg: Config) -> sink`, a
+    `molt_core.contracts.MetricSink`: `log(step, metrics)` (the numeric entries of each
+    `metrics.jsonl` row), `close()`.
     """
 
 

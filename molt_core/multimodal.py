@@ -24,7 +24,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from molt_core.trajectory import ImageInput
 
 __all__ = ["ImageEncoder", "content_text", "decode_data_uri", "decoder_layers", "images_of",
-           "is_vl", "load_model", "model_inputs", "unpack_rows", "vision_token_ids"]
+           "is_vl", "load_model", "model_inputs", "require_chat_template", "unpack_rows",
+           "vision_token_ids"]
 
 VISION_PART = "<|vision_start|><|image_pad|><|vision_end|>"   # one image in rendered text
 
@@ -89,6 +90,15 @@ def content_text(content: str | list[dict] | None) -> str:
     return "".join(VISION_PART if p.get("type") in ("image", "image_url")
                    else p.get("text", "") for p in content)
 
+
+
+def require_chat_template(tokenizer: Any) -> None:
+    """Raise ValueError unless the tokenizer can render chat messages (agents that do: gym, chat)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer at '{getattr(tokenizer, 'name_or_path', '?')}' has no "
+                         "chat template, which chat agents need to render messages: use an "
+                         "instruct/chat checkpoint, or set `chat_template` in its "
+                         "tokenizer_config.json (or a chat_template.jinja file)")
 
 class ImageEncoder:
     """Tokenizes text whose images appear as one `<|image_pad|>` each: every pad becomes the run

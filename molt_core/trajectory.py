@@ -145,30 +145,29 @@ class Trajectory:
 
     def check(self, vocab_size: int | None = None) -> None:
         """Raise `InvariantError` naming the first violated invariant."""
-        n = len(self.token_ids)
+        n, who = len(self.token_ids), f"trajectory {self.group_id}/{self.rollout_id}"
         for name in ("loss_mask", "logprobs", "versions", "routed_experts"):
             if getattr(self, name) is not None and len(getattr(self, name)) != n:
-                raise InvariantError(f"trajectory {self.group_id}/{self.rollout_id}: {name} has "
-                                     f"{len(getattr(self, name))} entries for {n} tokens")
+                raise InvariantError(f"{who}: {name} has {len(getattr(self, name))} entries for "
+                                     f"{n} tokens")
         for i, (tok, m, lp, v) in enumerate(zip(self.token_ids, self.loss_mask, self.logprobs,
                                                 self.versions)):
             if not isinstance(tok, int) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
-                raise InvariantError(f"trajectory {self.group_id}/{self.rollout_id}: token id {tok!r}"
-                                     f" at position {i} is outside the vocabulary [0, {vocab_size})")
+                raise InvariantError(f"{who}: token id {tok!r} at position {i} is outside the "
+                                     f"vocabulary [0, {vocab_size})")
             if m and (v < 0 or not (lp <= 0.0) or math.isinf(lp)):
-                raise InvariantError(
-                    f"trajectory {self.group_id}/{self.rollout_id}: trainable token at position {i} "
-                    f"has no sampling record (version {v}, log-prob {lp}); trainable tokens must "
-                    "come from engine completions (Trajectory.add_completion)")
+                raise InvariantError(f"{who}: trainable token at position {i} has no sampling "
+                                     f"record (version {v}, log-prob {lp}); trainable tokens must "
+                                     "come from engine completions (Trajectory.add_completion)")
         end = 0
         for im in self.images:
             span = range(im.start, im.start + im.num_tokens)
             if im.start < end or span.stop > n or any(self.loss_mask[i] for i in span) or \
                     any(s in span[1:] for s in self.segments):
-                raise InvariantError(
-                    f"trajectory {self.group_id}/{self.rollout_id}: image placeholder tokens "
-                    f"[{span.start}, {span.stop}) overlap another image, run past the {n} tokens, "
-                    "are trainable or cross a segment; images enter only through add_prompt")
+                raise InvariantError(f"{who}: image placeholder tokens [{span.start}, "
+                                     f"{span.stop}) overlap another image, run past the {n} "
+                                     "tokens, are trainable or cross a segment; images enter "
+                                     "only through add_prompt")
             end = span.stop
         if n and self.loss_mask[0]:
             raise InvariantError("the first token of a trajectory cannot be trainable: it has no "

@@ -6,46 +6,40 @@ rollout gets a *session* (`/s/{session}/...`, its own random bearer token); the 
 request with the model's chat template, generates in token space with the rollout's
 `generate(prompt_ids, sampling) -> Completion`, and records the session's `Trajectory`:
 
-- If a request's messages extend the previous request's messages and the new rendering starts
-  with the text the session's tokens spell, only the new suffix is tokenized (masked) and
-  appended; the sampled reply ids are appended unchanged (`add_completion`), never re-tokenized.
-- Otherwise (e.g. a template that drops earlier `<think>` blocks re-renders history) a new
-  *segment* starts: the full rendering is tokenized (masked) from that point, and the trainer
-  treats each segment as its own sequence (`Trajectory.split_segments`).
+- If a request's messages extend the previous request's and the new rendering starts with the
+  text the session's tokens spell, only the new suffix is tokenized (masked) and appended; the
+  sampled reply ids are appended unchanged (`add_completion`), never re-tokenized. Otherwise (a
+  template that drops earlier `<think>` blocks re-renders history) a new *segment* starts from
+  the full rendering; the trainer treats each segment as its own sequence (`split_segments`).
 - An identical retried request (`stream` aside) returns the cached reply and generates nothing.
-  A fresh sample: resend the previous request's messages with anything else changed (e.g. a new
-  `seed`, which is not otherwise used); the new reply *replaces* the previous one in the
-  trajectory (`info["resampled"]` counts them), so "resample until valid" trains on what was kept.
+  Resending the previous request's messages with anything else changed (e.g. a new `seed`, not
+  otherwise used) samples afresh and the new reply *replaces* the previous one in the trajectory
+  (`info["resampled"]`), so "resample until valid" trains on what was kept.
 - A prompt that does not fit the context is a 400 (`context_length_exceeded`) naming both
   lengths; the rollout is marked truncated (`info["context_overflow"]`).
-- `stop` (Anthropic `stop_sequences`) is applied to the sampled text: the reply ends before the
-  first stop string, and only the tokens before it enter the trajectory (the tokens spelling it,
-  and after it, are dropped; a token straddling its start too).
+- `stop` (Anthropic `stop_sequences`) cuts the sampled text before the first stop string; only
+  the tokens before it enter the trajectory (a token straddling its start is dropped too).
 - `logprobs` / `top_logprobs`: the log-prob of every sampled token (final stop token included),
-  equal to the trajectory's; the engine records no alternatives, so `top_logprobs` lists the
-  sampled token alone.
+  equal to the trajectory's; `top_logprobs` lists the sampled token alone (no alternatives).
 - `stream: true` gets the same reply as server-sent events (`molt_core.chat.stream`).
 
-Images (VL policies): OpenAI `image_url` content parts carrying base64 data URIs
-(`data:image/png;base64,...`) and Anthropic base64 `image` blocks are decoded and rendered by the
-template as image placeholders; the images ride with the trajectory (`molt_core.multimodal`).
-Remote URLs are refused (400).
+Images (VL policies): base64 data URIs in OpenAI `image_url` parts and Anthropic base64 `image`
+blocks become the template's image placeholders and ride with the trajectory
+(`molt_core.multimodal`); remote URLs are a 400.
 
 Sampling is the run's (`sampling` given to `open_session`): a request's `temperature`, `top_p`,
 `top_k`, ... that differ from it are a 400 naming the recipe key (`molt_core.chat.api`). A request's
 `max_tokens` (`max_completion_tokens`, `max_output_tokens`) only caps `max_new_tokens`. With
 `tools`, Hermes/Qwen `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks in the reply
 become OpenAI `tool_calls` / Responses `function_call` items / Anthropic `tool_use` blocks; the
-sampled tokens stay as sampled. A block that does not parse is left in the text and flagged:
-`finish_reason` / `stop_reason` `"malformed_tool_call"`, `info["malformed_tool_calls"]`. Tool
+sampled tokens stay as sampled. A block that does not parse stays in the text, flagged
+(`finish_reason` / `stop_reason` `"malformed_tool_call"`, `info["malformed_tool_calls"]`). Tool
 results are rendered by the template and captured masked.
 
 Limits: a body over the session's `max_body_bytes` is a 413, JSON nested deeper than 64 levels a
-400, and large bodies are parsed, rendered and tokenized off the event loop.
-
-The server binds 127.0.0.1 only, on a random port. One server per process and event loop
-(`shared_server()`), started lazily in the running loop (the generator's), so many sessions are
-served concurrently on the loop where the rollouts run.
+400; large bodies are parsed, rendered and tokenized off the event loop. The server binds
+127.0.0.1 only, on a random port: one per process and event loop (`shared_server()`), started
+lazily on the running loop (the generator's), where all sessions are served concurrently.
 """
 
 from __future__ import annotations
@@ -65,27 +59,19 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from molt_core.chat import api as api_
 from molt_core import multimodal
+from molt_core.chat import api as api_
 from molt_core.chat.api import Reply, RequestError, parse_tool_calls
 from molt_core.chat.stream import sse_events
+from molt_core.multimodal import require_chat_template
 from molt_core.trajectory import Completion, ImageInput, Trajectory
 
-__all__ = ["ChatServer", "ChatSession", "parse_tool_calls", "require_chat_template",
-           "shared_server", "shutdown_shared"]
+__all__ = ["ChatServer", "ChatSession", "parse_tool_calls", "shared_server", "shutdown_shared"]
 
 GenerateFn = Callable[..., Awaitable[Completion]]   # (prompt_ids, sampling[, images])
 MAX_BODY_BYTES = 8 * 2**20
 _BIG = 256 * 2**10            # bodies above this are parsed and tokenized in a worker thread
 _log = logging.getLogger("molt.chat_server")
-
-
-def require_chat_template(tokenizer: Any) -> None:
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"the tokenizer at '{getattr(tokenizer, 'name_or_path', '?')}' has no "
-                         "chat template, which chat agents need to render messages: use an "
-                         "instruct/chat checkpoint, or set `chat_template` in its "
-                         "tokenizer_config.json (or a chat_template.jinja file)")
 
 
 @dataclass
@@ -464,17 +450,14 @@ class ChatServer:
                 return StreamingResponse(sse_events(api, resp), media_type="text/event-stream")
             return JSONResponse(resp)
 
-        @app.post("/s/{session}/v1/chat/completions")
-        async def chat_completions(session: str, request: Request) -> Response:
-            return await serve("openai", session, request)
+        def endpoint(api: str) -> Callable:
+            async def post(session: str, request: Request) -> Response:
+                return await serve(api, session, request)
+            return post
 
-        @app.post("/s/{session}/v1/responses")
-        async def responses(session: str, request: Request) -> Response:
-            return await serve("responses", session, request)
-
-        @app.post("/s/{session}/v1/messages")
-        async def messages(session: str, request: Request) -> Response:
-            return await serve("anthropic", session, request)
+        for path, api in (("chat/completions", "openai"), ("responses", "responses"),
+                          ("messages", "anthropic")):
+            app.post(f"/s/{{session}}/v1/{path}")(endpoint(api))
 
         @app.get("/s/{session}/v1/models")
         @app.get("/s/{session}/v1/models/{model}")

@@ -1,12 +1,13 @@
 """Rollout engines: `hf` (embedded HF decode loop) and `vllm`. Both take the same explicit
-sampling dict, checked here once."""
+sampling dict, checked here once, and stop on the same default tokens."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from typing import Any
 
-__all__ = ["Requests", "SAMPLING_KEYS", "check_sampling"]
+__all__ = ["Requests", "SAMPLING_KEYS", "check_sampling", "default_stop_ids"]
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
 
@@ -26,6 +27,19 @@ def check_sampling(sampling: dict) -> tuple[dict, list[int] | None]:
     if sampling["max_new_tokens"] < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {sampling['max_new_tokens']}")
     return sampling, stop
+
+
+def default_stop_ids(model_path: str, config: Any) -> list[int]:
+    """Stop ids of a request without `stop_token_ids`: the checkpoint's generation_config eos (may
+    be a list), else the model config's eos."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        eos = None
+    eos = config.eos_token_id if eos is None else eos
+    return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
 
 class Requests:

@@ -30,14 +30,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import AutoConfig, DynamicCache, GenerationConfig
+from transformers import AutoConfig, DynamicCache
 
 from molt_core import moe, multimodal, weight_sync
-from molt_core.engines import SAMPLING_KEYS, Requests, check_sampling
+from molt_core.engines import SAMPLING_KEYS, Requests, check_sampling, default_stop_ids
 from molt_core.trajectory import Completion, ImageInput
 
 __all__ = ["HFEngine", "SAMPLING_KEYS"]
-
 
 
 @dataclass
@@ -59,7 +58,7 @@ class _Request:
 
 
 class HFEngine:
-    """HF model + batched decode loop; see the module docstring."""
+    """HF model + batched decode loop (a `contracts.Engine`); see the module docstring."""
 
     def __init__(self, model_path: str, *, dtype: str = "float32", max_batch_size: int = 256,
                  seed: int = 0, num_threads: int = 1, device: str = "cpu") -> None:
@@ -74,7 +73,7 @@ class HFEngine:
         config = config.get_text_config()
         self.max_positions: int = config.max_position_embeddings
         self.pad_id: int = config.pad_token_id if config.pad_token_id is not None else 0
-        self.default_stop_ids = frozenset(_eos_ids(model_path, config))
+        self.default_stop_ids = frozenset(default_stop_ids(model_path, config))
         self.max_batch_size = max_batch_size
         # MoE: record per token and MoE layer the top-k experts it was routed to (R3); the
         # router runs in fp32, as in the trainer (molt_core.moe).
@@ -419,12 +418,3 @@ class HFEngine:
         tokens = torch.multinomial(filtered.softmax(-1), 1, generator=self.generator).squeeze(1)
         return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
-
-def _eos_ids(model_path: str, config: Any) -> list[int]:
-    """Default stop ids: generation_config eos (may be a list), else the model config's eos."""
-    try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:
-        eos = None
-    eos = config.eos_token_id if eos is None else eos
-    return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]

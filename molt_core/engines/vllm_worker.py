@@ -8,7 +8,6 @@ import time
 
 import torch
 
-from molt_core.engines.vllm import _as_bytes
 from molt_core.weight_sync import Meta, WeightGroup, nbytes, unpack
 
 __all__ = ["MoltWorkerExtension"]
@@ -17,7 +16,6 @@ _PLAIN_LAYERS = {"QKVParallelLinear", "MergedColumnParallelLinear", "RowParallel
                  "ColumnParallelLinear", "ReplicatedLinear", "VocabParallelEmbedding",
                  "ParallelLMHead"}
 _PLAIN_METHODS = {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "NoneType"}
-
 
 
 class MoltWorkerExtension:
@@ -232,5 +230,6 @@ class MoltWorkerExtension:
             if p.numel() == 0 and hasattr(m, "cpu_linear"):
                 k = getattr(m, "input_size_per_partition", m.input_size)
                 p = m.cpu_linear(torch.eye(k, dtype=p.dtype), p, None).t()
-            out[n] = (str(p.dtype).removeprefix("torch."), list(p.shape), bytes(_as_bytes(p)))
+            raw = p.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy()
+            out[n] = (str(p.dtype).removeprefix("torch."), list(p.shape), bytes(raw))
         return out

@@ -122,10 +122,8 @@ def molt_configure(cfg: Any, plugins: Any) -> None:
         plugins.check_args("agent.args.env_args", "env", a["env"], a.get("env_args") or {})
         if a.get("chat_template", True) and Path(cfg.model.path).is_dir():
             from transformers import AutoTokenizer
-
-            from molt_core.chat.server import require_chat_template
             try:
-                require_chat_template(AutoTokenizer.from_pretrained(cfg.model.path))
+                multimodal.require_chat_template(AutoTokenizer.from_pretrained(cfg.model.path))
             except ValueError as e:
                 raise ConfigError(f"agent 'gym' (model.path): {e}; or set "
                                   "agent.args.chat_template=false for plain-text turns") from None

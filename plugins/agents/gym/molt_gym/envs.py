@@ -1,4 +1,4 @@
-"""The `Env` interface and the toy environments the CPU recipes learn."""
+"""The toy environments the CPU recipes learn; `Env` is the contract `molt_core.contracts.Env`."""
 
 from __future__ import annotations
 
@@ -11,22 +11,10 @@ import zlib
 
 import numpy as np
 
+from molt_core.contracts import Env, Observation
+
 __all__ = ["Addition", "Arithmetic", "Colours", "Env", "GuessNumber", "MathProblems",
            "NextLetter", "Observation", "Spell"]
-
-Observation = str | list[dict]   # a user message, or chat messages
-
-
-class Env:
-    """One instance per rollout. Override `reset` and `step`."""
-
-    async def reset(self, seed: int) -> Observation:
-        """Start an episode for task `seed`; return the first observation."""
-        raise NotImplementedError
-
-    async def step(self, action: str) -> tuple[Observation | None, float, bool, dict]:
-        """Apply the policy's reply; return (observation, reward, done, info)."""
-        raise NotImplementedError
 
 
 class NextLetter(Env):
