@@ -26,8 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["MOE_ROUTING", "config_moe_layers", "is_moe", "keep_router_fp32", "moe_gates",
-           "routing"]
+__all__ = ["MOE_ROUTING", "config_moe_layers", "keep_router_fp32", "moe_gates", "routing"]
 
 MOE_ROUTING = ("replay", "off", "freeze_router")
 
@@ -41,10 +40,6 @@ def moe_gates(model: torch.nn.Module) -> list[torch.nn.Module]:
                 and hasattr(gate, "top_k") and hasattr(gate, "weight")):
             gates.append(gate)
     return gates
-
-
-def is_moe(model: torch.nn.Module) -> bool:
-    return bool(moe_gates(model))
 
 
 def config_moe_layers(config: Any) -> list[int]:

@@ -53,8 +53,6 @@ def push(workers: list, engines: list, version: int, bucket_bytes: int, timeout_
     """
     refs = [w.push_weights.remote(engines, version, bucket_bytes, timeout_s, transport)
             for w in workers]
-    if not isinstance(refs[0], ray.ObjectRef):
-        return refs[0]              # a rank in the driver's process (`policy._InDriver`): done
     pending = list(refs)
     while pending:
         done, pending = ray.wait(pending, num_returns=1)

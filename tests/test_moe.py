@@ -119,11 +119,11 @@ def test_routing_survives_mid_wave_weight_update(moe_dir):
     for p, c in zip(PROMPTS, outs):
         assert {0, 1} >= set(c.versions) and len(c.routed_experts) == len(c.token_ids)
         ids = torch.tensor([p + c.token_ids])
-        used: dict[str, torch.Tensor] = {}
+        rows = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                "loss_mask": torch.ones_like(ids).bool()}
         with torch.no_grad():
-            token_logprobs(model, ids, torch.ones_like(ids), torch.ones_like(ids).bool(), 1.0,
-                           64, None, "off", used)
-        expect = used["ids"][0, :-1].sort(-1).values
+            used = token_logprobs(model, rows, 1.0, 64, moe_routing="off").expert_ids
+        expect = used[0, :-1].sort(-1).values
         got = torch.tensor(c.prompt_routed_experts + c.routed_experts[:-1]).sort(-1).values
         assert torch.equal(got, expect.to(got))
 
@@ -288,11 +288,9 @@ def test_replay_covers_context_tokens(moe_dir, perturbed_moe_dir):
     model = AutoModelForCausalLM.from_pretrained(moe_dir)
     used = {}
     for mode in ("replay", "off"):
-        out: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            token_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
-                           1.0, 64, rec, mode, out)
-        used[mode] = out["ids"]
+            used[mode] = token_logprobs(model, {**batch, "routed_experts": rec}, 1.0, 64,
+                                        moe_routing=mode).expert_ids
     same = {m: (u.sort(-1).values == rec.sort(-1).values).all(-1).all(-1) for m, u in used.items()}
     assert same["replay"][fed].all()
     assert not same["off"][context].all()
@@ -308,15 +306,15 @@ def test_aux_loss_matches_transformers(moe_dir):
     att = torch.tensor([[1] * 6, [1] * 3 + [0] * 3])
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=att, output_router_logits=True).aux_loss
-        out: dict[str, torch.Tensor] = {}
-        token_logprobs(model, ids, att, att.bool(), 1.0, 64, None, "off", out)
-        assert abs(float(out["aux_loss"]) - float(ref)) < 1e-5, (out["aux_loss"], ref)
+        rows = {"input_ids": ids, "attention_mask": att, "loss_mask": att.bool()}
+        out = token_logprobs(model, rows, 1.0, 64, moe_routing="off")
+        assert abs(float(out.aux_loss) - float(ref)) < 1e-5, (out.aux_loss, ref)
         # Replayed ids count, not the router's own top-k: all to experts {0, 1} (layer 0 probs
         # are the same as above; layer 1 sees other hidden states)
-        token_logprobs(model, ids, att, att.bool(), 1.0, 64,
-                       torch.tensor([0, 1]).expand(2, 6, 2, 2), "replay", out)
-        assert (out["ids"][att.bool()].sort(-1).values == torch.tensor([0, 1])).all()
-        assert abs(float(out["aux_loss"]) - float(ref)) > 1e-3
+        out = token_logprobs(model, {**rows, "routed_experts": torch.tensor([0, 1]).expand(
+            2, 6, 2, 2)}, 1.0, 64, moe_routing="replay")
+        assert (out.expert_ids[att.bool()].sort(-1).values == torch.tensor([0, 1])).all()
+        assert abs(float(out.aux_loss) - float(ref)) > 1e-3
     # The formula on a hand-made routing: 2 tokens (one masked out), 1 layer, E = 4, k = 2
     from molt_core.moe import _Routing
     state = _Routing(1)

@@ -105,14 +105,13 @@ def test_vl_rollout_with_images_in_two_turns_is_token_exact_and_matches_trainer(
     # the engine's behavior log-probs.
     batch = collate(trajs, [[0.0] * len(t) for t in trajs], tok.pad_token_id)
     model = multimodal.load_model(tiny_vl_dir, torch.float32).eval()
-    args = (model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 1024)
-    images = (batch["pixel_values"], batch["image_grid_thw"])
+    blind_rows = {k: v for k, v in batch.items() if k not in ("pixel_values", "image_grid_thw")}
     mask = batch["loss_mask"]
     with torch.no_grad():
-        lp = token_logprobs(*args, images=images)
+        lp = token_logprobs(model, batch, 1.0, 1024).logprobs
         assert (lp - batch["behavior_logprobs"])[mask].abs().max() < 1e-5
         # Without the images (or with plain 1-D positions) the trainer would see another input.
-        blind = token_logprobs(*args)
+        blind = token_logprobs(model, blind_rows, 1.0, 1024).logprobs
     assert (blind - batch["behavior_logprobs"])[mask].abs().max() > 1e-3
 
 
@@ -226,9 +225,7 @@ def test_openai_sdk_image_url_data_uris_in_two_turns(tiny_vl_dir, tok, engine):
     batch = collate([traj], [[0.0] * len(traj)], tok.pad_token_id)
     model = multimodal.load_model(tiny_vl_dir, torch.float32).eval()
     with torch.no_grad():
-        lp = token_logprobs(model, batch["input_ids"], batch["attention_mask"],
-                            batch["loss_mask"], 1.0, 1024,
-                            images=(batch["pixel_values"], batch["image_grid_thw"]))
+        lp = token_logprobs(model, batch, 1.0, 1024).logprobs
     mask = batch["loss_mask"]
     assert (lp - batch["behavior_logprobs"])[mask].abs().max() < 1e-5
 
@@ -341,11 +338,9 @@ def test_weight_update_mid_generation_reprefills_with_the_images(tiny_vl_dir, to
         t.add_prompt(ids, ims)
         t.add_completion(c)
         batch = collate([t], [[0.0] * len(t)], tok.pad_token_id)
-        args = (batch["input_ids"], batch["attention_mask"], batch["loss_mask"], 1.0, 1024)
-        images = (batch["pixel_values"], batch["image_grid_thw"])
         with torch.no_grad():
-            old_lp = token_logprobs(model, *args, images=images)[0, len(ids):]
-            new_lp = token_logprobs(new_model, *args, images=images)[0, len(ids):]
+            old_lp = token_logprobs(model, batch, 1.0, 1024).logprobs[0, len(ids):]
+            new_lp = token_logprobs(new_model, batch, 1.0, 1024).logprobs[0, len(ids):]
         engine_lp = torch.tensor(c.logprobs)
         assert (old_lp - engine_lp)[:k].abs().max() < 1e-5
         assert (new_lp - engine_lp)[k:].abs().max() < 1e-5

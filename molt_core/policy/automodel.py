@@ -20,11 +20,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from molt_core import moe
 from molt_core.policy.handle import Policy
-from molt_core.policy.worker import PolicyWorker
+from molt_core.policy.worker import PolicyWorker, gathered
 
 __all__ = ["AUTOMODEL_MISSING", "AutoModelPolicy", "AutoModelWorker", "automodel_missing"]
 
@@ -36,10 +35,6 @@ AUTOMODEL_MISSING = ("trainer.backend=automodel needs NVIDIA NeMo AutoModel and 
 def automodel_missing() -> bool:
     # find_spec, not import: importing nemo_automodel costs seconds and needs triton.
     return importlib.util.find_spec("nemo_automodel") is None
-
-
-def _local(x: Any) -> Any:
-    return x.full_tensor() if isinstance(x, DTensor) else x
 
 
 class AutoModelWorker(PolicyWorker):
@@ -98,7 +93,7 @@ class AutoModelWorker(PolicyWorker):
             self.cfg["grad_clip"], parts, device_mesh=mesh, moe_mesh=moe_mesh,
             ep_axis_name=ep_axis, dp_group_size=self.grad_scale,
             expert_tp_replication_factor=get_expert_tp_replication_factor(parts, mesh))
-        return float(_local(torch.as_tensor(norm)))
+        return float(gathered(torch.as_tensor(norm)))
 
     def _named_full_tensors(self, merge: bool = True, master: bool = False
                             ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -116,7 +111,7 @@ def _plain_outputs(model: torch.nn.Module, custom: bool) -> None:
     hidden tensor and take no `use_cache`."""
     def hidden(_m: Any, _args: Any, _kwargs: Any, out: Any) -> SimpleNamespace:
         h = out if isinstance(out, torch.Tensor) else out.last_hidden_state
-        return SimpleNamespace(last_hidden_state=_local(h))
+        return SimpleNamespace(last_hidden_state=gathered(h))
 
     def drop_cache(_m: Any, args: Any, kwargs: dict) -> tuple[Any, dict]:
         kwargs.pop("use_cache", None)
@@ -125,7 +120,7 @@ def _plain_outputs(model: torch.nn.Module, custom: bool) -> None:
     if custom:
         model.model.register_forward_pre_hook(drop_cache, with_kwargs=True)
     model.model.register_forward_hook(hidden, with_kwargs=True)
-    model.lm_head.register_forward_hook(lambda _m, _a, out: _local(out))
+    model.lm_head.register_forward_hook(lambda _m, _a, out: gathered(out))
 
 
 class AutoModelPolicy(Policy):

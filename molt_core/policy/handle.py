@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from molt_core import weight_sync
 from molt_core.config import TrainerConfig
-from molt_core.policy.objective import TrainStep
-from molt_core.policy.worker import PolicyWorker, nanmax
+from molt_core.policy.objective import TrainStep, nanmax
+from molt_core.policy.worker import PolicyWorker
 from molt_core.run import cluster
 
 __all__ = ["Policy"]
@@ -45,7 +45,7 @@ def _pad_rows(batch: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]
 
 class _InDriver:
     """A rank in the driver's process, called as its actor would be: `w.method.remote(...)` runs
-    the call at once and returns its value (`Policy._get` passes it through)."""
+    the call at once and returns its value (`Policy._get` and `push_weights` take it as is)."""
 
     def __init__(self, worker: PolicyWorker) -> None:
         self.worker = worker
@@ -167,15 +167,7 @@ class Policy:
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """[B, T] trainer log-probs at trainable positions, 0 elsewhere; `with_routing` (MoE):
         also the [B, T, layers, k] expert ids the trainer's forward used (None if dense)."""
-        B = batch["input_ids"].shape[0]
-        parts = self._get([w.logprobs.remote(p, temperature, with_routing)
-                           for w, p in zip(self.workers, self._split(batch))],
-                          "logprobs")[::self.replicas]
-        if not with_routing:
-            return torch.cat(parts)[:B]
-        lp = torch.cat([p[0] for p in parts])[:B]
-        ids = None if parts[0][1] is None else torch.cat([p[1] for p in parts])[:B]
-        return lp, ids
+        return self._per_rank("logprobs", batch, temperature, with_routing)
 
     def trained_logprobs(self) -> torch.Tensor:
         """[B, T] the trainer log-probs the last `train` used (pre-update), 0 where not trainable
@@ -192,11 +184,15 @@ class Policy:
         """[B, T] log-probs under the frozen initial weights at trainable positions."""
         return self._per_rank("ref_logprobs", batch, temperature)
 
-    def _per_rank(self, method: str, batch: dict[str, torch.Tensor], *args: Any) -> torch.Tensor:
+    def _per_rank(self, method: str, batch: dict[str, torch.Tensor], *args: Any) -> Any:
+        """The data shards' [b, T, ...] results of `method` as one [B, T, ...] (tuples: each)."""
         parts = self._get([getattr(w, method).remote(p, *args)
                            for w, p in zip(self.workers, self._split(batch))],
                           method)[::self.replicas]
-        return torch.cat(parts)[:batch["input_ids"].shape[0]]
+        B = batch["input_ids"].shape[0]
+        if isinstance(parts[0], tuple):
+            return tuple(None if col[0] is None else torch.cat(col)[:B] for col in zip(*parts))
+        return torch.cat(parts)[:B]
 
     def full_params(self, adapter: bool = False, master: bool = False) -> dict[str, torch.Tensor]:
         """Gathered parameters by HF name (LoRA: merged; `adapter`: the adapter weights only), as
@@ -214,9 +210,11 @@ class Policy:
         self._get([w.load_checkpoint.remote(path, critic) for w in self.workers], "resume")
 
     def push_weights(self, engines: list, version: int) -> dict[str, Any]:
-        return weight_sync.push(self.workers, engines, version,
-                                int(self.cfg.weight_sync_bucket_mb * 2**20),
-                                self.cfg.weight_sync_timeout_s, self.cfg.weight_sync_transport)
+        args = (engines, version, int(self.cfg.weight_sync_bucket_mb * 2**20),
+                self.cfg.weight_sync_timeout_s, self.cfg.weight_sync_transport)
+        if self.in_driver:          # the push is done: its stats (`_InDriver`)
+            return self.workers[0].push_weights.remote(*args)
+        return weight_sync.push(self.workers, *args)
 
     def shutdown(self) -> None:
         if self.in_driver:          # a later Policy may start in the driver too

@@ -3,7 +3,7 @@ the reference policy and the consistency checks share (dense, MoE with routing r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -11,60 +11,70 @@ from transformers import DynamicCache
 
 from molt_core import moe, multimodal
 
-__all__ = ["token_logprobs"]
+__all__ = ["Forward", "token_logprobs"]
 
 
-def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   loss_mask: torch.Tensor, temperature: float, chunk: int,
-                   routed_experts: torch.Tensor | None = None, moe_routing: str = "replay",
-                   moe_out: dict | None = None,
-                   images: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   extras: dict | None = None,
-                   value_head: torch.nn.Module | None = None,
-                   share_context: bool = False) -> torch.Tensor:
-    """[b, T] log p(input_ids[:, t] | input_ids[:, <t]) / temperature at trainable t, 0 elsewhere.
+class Forward(NamedTuple):
+    """What `token_logprobs` computes (a NamedTuple: FSDP2's forward hooks see its tensors)."""
+    logprobs: torch.Tensor                  # [b, T]
+    entropy: torch.Tensor                   # [b, T]
+    values: torch.Tensor | None = None      # [b, T], with a value head
+    expert_ids: torch.Tensor | None = None  # [b, T, layers, k], MoE
+    aux_loss: torch.Tensor | None = None    # [], MoE
+
+
+def token_logprobs(model: Any, batch: dict[str, torch.Tensor], temperature: float, chunk: int,
+                   *, moe_routing: str = "replay", value_head: torch.nn.Module | None = None,
+                   share_context: bool = False) -> Forward:
+    """`logprobs` [b, T]: log p(input_ids[:, t] | input_ids[:, <t]) / temperature at trainable t
+    (`loss_mask`), 0 elsewhere, of a `collate` batch (input_ids, attention_mask, loss_mask, ...).
 
     Only trainable positions go through `lm_head`, `chunk` tokens at a time; with grad enabled each
     chunk is recomputed in backward, so peak memory is [chunk, vocab] rather than [tokens, vocab].
-    MoE models: `routed_experts` [b, T, layers, k] (-1 = none) is the engine's routing, replayed
-    when `moe_routing` is "replay" (see `molt_core.moe.routing`); `moe_out` receives "ids", the
-    [b, T, layers, k] expert ids the forward used, and "aux_loss", the load-balancing loss over
-    the attended tokens of rows with a trainable token (`moe.routing(...).aux_loss`).
-    VL models: `images` is the rows' (pixel_values [b, P, D], image_grid_thw [b, I, 3]) from
-    `collate`, fed with the engine's mRoPE positions; vision tokens are masked as in the engine.
-    `extras` (a dict) receives "entropy" [b, T], the entropy of the same temperature-scaled
-    distribution at trainable t, and with `value_head` (the critic) "values" [b, T], the value of
-    the state before token t, read from the detached final hidden state.
+    `entropy` [b, T]: of the same temperature-scaled distribution at trainable t; `values` [b, T]
+    with `value_head` (the critic): of the state before token t, from the detached hidden state.
+    MoE models: `batch["routed_experts"]` [b, T, layers, k] (-1 = none), when present, is the
+    engine's routing, replayed when `moe_routing` is "replay" (see `molt_core.moe.routing`);
+    `expert_ids` [b, T, layers, k] are the ids the forward used, `aux_loss` the load-balancing
+    loss over the attended tokens of rows with a trainable token (`moe.routing(...).aux_loss`).
+    VL models: the rows' `pixel_values` [b, P, D] and `image_grid_thw` [b, I, 3] from `collate`
+    are fed with the engine's mRoPE positions; vision tokens are masked as in the engine.
     `share_context`: a context rows share (a group's prompt) runs once; FSDP must keep the
-    layers unsharded through backward then (`PolicyWorker` does on one rank).
-    """
+    layers unsharded through backward then (`PolicyWorker` does on one rank)."""
+    input_ids, attention_mask, loss_mask = (batch["input_ids"], batch["attention_mask"],
+                                            batch["loss_mask"])
     extra = {}
-    if images is not None and images[1].any():
-        extra = multimodal.model_inputs(model, input_ids, attention_mask,
-                                        *multimodal.unpack_rows(*images))
-    with moe.routing(model, routed_experts, moe_routing) as routing:
+    if "image_grid_thw" in batch and batch["image_grid_thw"].any():
+        extra = multimodal.model_inputs(model, input_ids, attention_mask, *multimodal.unpack_rows(
+            batch["pixel_values"], batch["image_grid_thw"]))
+    with moe.routing(model, batch.get("routed_experts"), moe_routing) as routing:
         q, cache = _shared_context(model, input_ids, attention_mask, loss_mask,
                                    share_context and not (routing.used or extra))  # dense, text
         hidden = model.model(input_ids=input_ids[:, q:], attention_mask=attention_mask,
                              past_key_values=cache, use_cache=cache is not None,
                              **extra).last_hidden_state                       # [b, T - q, H]
-    if moe_out is not None and routing.used:
-        moe_out["ids"] = routing.ids().view(*input_ids.shape, *routing.ids().shape[1:])
-        moe_out["aux_loss"] = routing.aux_loss(attention_mask.bool()
-                                               & loss_mask.any(-1, keepdim=True))
+    ids = aux = None
+    if routing.used:
+        ids = routing.ids().view(*input_ids.shape, *routing.ids().shape[1:])
+        aux = routing.aux_loss(attention_mask.bool() & loss_mask.any(-1, keepdim=True))
     rows, cols = loss_mask[:, 1:].nonzero(as_tuple=True)    # hidden[:, t] predicts token t+1
     h, targets = hidden[rows, cols - q], input_ids[rows, cols + 1]               # [N, H], [N]
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=hidden.device)
-    if extras is not None and value_head is not None:
-        extras["values"] = out.index_put((rows, cols + 1),
-                                         value_head(h.detach().float()).squeeze(-1))
+    values = None if value_head is None else out.index_put(
+        (rows, cols + 1), value_head(h.detach().float()).squeeze(-1))
     if rows.numel() == 0:
-        if extras is not None:
-            extras["entropy"] = out
         # Stay in the graph so backward, and with it FSDP's reduce-scatters, runs on every rank.
-        return out + 0.0 * model.lm_head(hidden[:1, 0]).float().sum()
+        return Forward(out + 0.0 * model.lm_head(hidden[:1, 0]).float().sum(), out, values, ids,
+                       aux)
+    logp, entropy = _chunked(model, h, targets, temperature, chunk)
+    return Forward(out.index_put((rows, cols + 1), logp), out.index_put((rows, cols + 1), entropy),
+                   values, ids, aux)
 
-    banned = torch.tensor(multimodal.vision_token_ids(model.config), device=hidden.device,
+
+def _chunked(model: Any, h: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """([N] log-probs of `targets`, [N] entropies) from `h` [N, H], `chunk` rows at a time."""
+    banned = torch.tensor(multimodal.vision_token_ids(model.config), device=h.device,
                           dtype=torch.long)
 
     def piece(h_c: torch.Tensor, t_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,10 +88,8 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     grad = torch.is_grad_enabled()
     pieces = [checkpoint(piece, h[s:s + chunk], targets[s:s + chunk], use_reentrant=False) if grad
               else piece(h[s:s + chunk], targets[s:s + chunk])
-              for s in range(0, rows.numel(), chunk)]
-    if extras is not None:
-        extras["entropy"] = out.index_put((rows, cols + 1), torch.cat([p[1] for p in pieces]))
-    return out.index_put((rows, cols + 1), torch.cat([p[0] for p in pieces]))
+              for s in range(0, h.shape[0], chunk)]
+    return torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])
 
 
 def _shared_context(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -11,25 +11,26 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
                                     OffloadPolicy, fully_shard, register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor
 
 from molt_core import lora, moe, multimodal, weight_sync
-from molt_core.advantage import opt_in
-from molt_core.algos import aggregate, is_correction, loss_terms
-from molt_core.policy.logprobs import token_logprobs
-from molt_core.policy.objective import TrainStep
+from molt_core.policy.logprobs import Forward, token_logprobs
+from molt_core.policy.objective import Tally, TrainStep, needs_reference, objective
 from molt_core.run import checkpoint as ckpt
 
-__all__ = ["PolicyWorker", "nanmax"]
+__all__ = ["PolicyWorker", "gathered"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,19 +56,14 @@ class PolicyWorker:
         # FSDP2 averages grads over the data-parallel ranks; the loss is scaled back by it.
         self.grad_scale = world_size
         model = self._build_model(model_path, _DTYPES[dtype])
-        self.moe = moe.is_moe(model)
         gate_params = {id(p) for g in moe.moe_gates(model) for p in g.parameters()}
         self.fp32_names = {n for n, p in model.named_parameters() if id(p) in gate_params}
-        # The root owns embed/norm/lm_head: gathered only inside a registered forward method.
-        model.molt_token_logprobs = functools.partial(token_logprobs, model,
-                                                      share_context=self.share_context)
-        register_fsdp_forward_method(model, "molt_token_logprobs")
-        self.model, self.model_path, self.dtype = model, model_path, dtype
+        self.model = _with_forward(model, self.share_context)
+        self.model_path, self.dtype = model_path, dtype
         self.reference: Any = None                       # frozen initial weights (KL), lazy
         self.value_head: torch.nn.Linear | None = None   # the critic, lazy
         self.optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
-                                       lr=trainer["lr"],
-                                       betas=tuple(trainer["betas"]),
+                                       lr=trainer["lr"], betas=tuple(trainer["betas"]),
                                        weight_decay=trainer["weight_decay"])
 
     def _build_model(self, model_path: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -94,8 +90,7 @@ class PolicyWorker:
             fully_shard(gate, mesh=mesh, offload_policy=offload)
         for layer in multimodal.decoder_layers(model):
             shard(layer)
-        # the root's forward method fills the `moe_out`/`extras` dicts it is given: a cast of
-        # its inputs would hand it copies
+        # the root's inputs stay as given (a forward method's batch: pixel values not cast)
         shard(model, cast_inputs=False)
         # A param without grad on one rank (unrouted expert, idle lm_head) must not shrink its
         # reduce-scatter: unequal collectives hang.
@@ -111,32 +106,25 @@ class PolicyWorker:
     def ready(self) -> int:
         return self.rank
 
-    def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        mbs = []
+    def _micro_batches(self, batch: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
         n = self.cfg["micro_batch_size"]
         for s in range(0, batch["input_ids"].shape[0], n):
             mb = {k: _tensor(v[s:s + n]).to(self.device) for k, v in batch.items()}
             T = max(int(mb["attention_mask"].sum(-1).max()), 1)    # right padded: trim the tail
-            mbs.append({k: v if k in _IMAGE_KEYS else v[:, :T] for k, v in mb.items()})
-        return mbs
+            yield {k: v if k in _IMAGE_KEYS else v[:, :T] for k, v in mb.items()}
 
-    def _logprobs(self, mb: dict[str, torch.Tensor], temperature: float,
-                  moe_out: dict | None = None, extras: dict | None = None,
-                  value_head: torch.nn.Module | None = None, model: Any = None) -> torch.Tensor:
+    def _forward(self, mb: dict[str, torch.Tensor], temperature: float,
+                 value_head: torch.nn.Module | None = None, model: Any = None) -> Forward:
         return (model or self.model).molt_token_logprobs(
-            mb["input_ids"], mb["attention_mask"], mb["loss_mask"], temperature,
-            self.cfg["logprob_chunk"], mb.get("routed_experts"), self.cfg["moe_routing"],
-            moe_out, _images(mb), extras, value_head)
+            mb, temperature, self.cfg["logprob_chunk"], moe_routing=self.cfg["moe_routing"],
+            value_head=value_head)
 
     def _reference(self) -> Any:
         """pi_ref for the KL term: the initial weights, frozen, built and sharded like the policy
         (`_build_model`)."""
         if self.reference is None:
             ref = self._build_model(self.model_path, _DTYPES[self.dtype]).requires_grad_(False)
-            ref.molt_token_logprobs = functools.partial(token_logprobs, ref,
-                                                        share_context=self.share_context)
-            register_fsdp_forward_method(ref, "molt_token_logprobs")
-            self.reference = ref.eval()
+            self.reference = _with_forward(ref, self.share_context).eval()
         return self.reference
 
     def _critic(self) -> torch.nn.Linear:
@@ -154,90 +142,37 @@ class PolicyWorker:
     def train_step(self, batch: dict[str, torch.Tensor], spec: TrainStep, num_tokens: int,
                    num_seqs: int) -> dict[str, Any]:
         """One optimizer step of `spec` on this rank's rows (`num_tokens`/`num_seqs`: the step's
-        global counts); returns mergeable sums, counts and maxima. pi_prox is
-        `batch["prox_logprobs"]`, the log-probs before the rollout batch's first optimizer step
+        global counts; the loss: `objective`); returns mergeable sums, counts and maxima. pi_prox
+        is `batch["prox_logprobs"]`, the log-probs before the rollout batch's first optimizer step
         (`Policy.train`), or with one step per batch this forward's own, detached. A non-finite
         loss or grad norm on any rank skips the step on all (`nonfinite`)."""
-        loss_fn, loss_args, loss_agg, temperature = (spec.loss_fn, spec.loss_args, spec.loss_agg,
-                                                     spec.temperature)
-        correction, correction_args, version, terms = (spec.correction, spec.correction_args,
-                                                       spec.version, spec.terms)
         t0 = time.perf_counter()
-        loss_total, sums, counts = 0.0, {}, {}
-        max_abs = 0.0
-        terms = terms or {}
         critic = self._critic() if "returns" in batch else None
         if critic is not None:
-            self.critic_group["lr"] = terms.get("value_lr") or self.cfg["lr"]
-        trained = []        # pre-update log-probs, for saved trajectories
+            self.critic_group["lr"] = (spec.terms or {}).get("value_lr") or self.cfg["lr"]
+        tally, loss_total, trained = Tally(), 0.0, []   # trained: pre-update log-probs
         for mb in self._micro_batches(batch):
-            mask = mb["loss_mask"]
-            moe_out: dict[str, torch.Tensor] = {}
-            extras: dict[str, torch.Tensor] = {}
-            lp = self._logprobs(mb, temperature, moe_out, extras, critic)
-            trained.append(F.pad(lp.detach(), (0, batch["input_ids"].shape[1] - lp.shape[1])))
-            behavior = mb["behavior_logprobs"]
-            # losses that name `group_index` / `ref_logprobs` get them (docs/plugins.md)
-            kw = {**loss_args, **opt_in(loss_fn, group_index=mb.get("group_index"),
-                                        ref_logprobs=None)}
-            kl_loss = terms.get("kl_coef", 0.0) > 0 and terms.get("kl_in", "loss") == "loss"
-            ref = None
-            if kl_loss or "ref_logprobs" in kw:
-                with torch.no_grad():
-                    ref = self._logprobs(mb, temperature, model=self._reference())
-                kw.update({k: ref for k in kw if k == "ref_logprobs"})
-            prox = mb["prox_logprobs"] if "prox_logprobs" in mb else lp.detach()
-            if correction == "none":
-                per_token, metrics = loss_fn(lp, behavior, mb["advantages"], mask, **kw)
-            else:
-                per_token, metrics = loss_fn(lp, prox, mb["advantages"], mask, **kw)
-                weight, is_metrics = is_correction(prox, behavior, mask, correction,
-                                                   **(correction_args or {}))
-                per_token = per_token * weight
-                metrics = {**metrics, **is_metrics}
-            add, term_metrics = loss_terms(
-                lp, extras["entropy"], ref_logprobs=ref if kl_loss else None,
-                values=extras.get("values"), old_values=mb.get("old_values"),
-                returns=mb.get("returns"),
-                **{k: v for k, v in terms.items() if k not in ("kl_in", "value_lr")})
-            per_token, metrics = per_token + add, {**metrics, **term_metrics}
-            loss = aggregate(per_token, mask, loss_agg, num_tokens, num_seqs)
-            rows = float(mask.any(-1).sum())
-            if moe_out and self.cfg["moe_aux_loss_coef"] > 0:
-                # this micro-batch's share of the step's sequences: the sum is their mean
-                loss = loss + self.cfg["moe_aux_loss_coef"] * moe_out["aux_loss"] * (
-                    rows / max(num_seqs, 1))
+            fwd = self._forward(mb, spec.temperature, critic)
+            lp = fwd.logprobs.detach()
+            trained.append(F.pad(lp, (0, batch["input_ids"].shape[1] - lp.shape[1])))
+            ref = self._ref_forward(mb, spec.temperature) if needs_reference(spec) else None
+            loss, metrics = objective(spec, mb, fwd, num_tokens, num_seqs, ref_logprobs=ref,
+                                      aux_coef=self.cfg["moe_aux_loss_coef"])
             # FSDP2 averages grads over ranks; x grad_scale makes the step's grad sum/global count.
             (loss * self.grad_scale).backward()
             loss_total += float(loss.detach())
-            with torch.no_grad():
-                n_tok = float(mask.sum())
-                diff = (prox - behavior)[mask]
-                on_policy = mask if version is None else mask & (mb["versions"] == version)
-                if on_policy.any():
-                    max_abs = nanmax(max_abs, float(diff.abs()[on_policy[mask]].max()))
-                k3 = float((diff.exp() - 1 - diff).sum())  # k3 estimate of KL(behavior || trainer)
-                named = {"mismatch/kl": (k3, n_tok),
-                         "mismatch/on_policy_fraction": (float(on_policy.sum()), n_tok)}
-                rec = mb.get("routed_experts")
-                if moe_out and rec is not None:
-                    # Share of recorded (token, layer) routings the trainer's forward used as is:
-                    # 1.0 under replay; with replay off, how often trainer and engine agree.
-                    used = moe_out["ids"]
-                    has = (rec >= 0).all(-1) & mb["attention_mask"][..., None]   # [b, T, L]
-                    same = (used.sort(-1).values == rec.sort(-1).values.to(used)).all(-1)
-                    named["moe/routing_agreement"] = (float((same & has).sum()),
-                                                      float(has.sum()))
-                if moe_out:
-                    named["moe/aux_loss"] = (float(moe_out["aux_loss"]) * rows, rows)
-                for k, v in metrics.items():
-                    v = v.detach()
-                    named[k] = ((float((v * mask).sum()), n_tok) if v.shape == mask.shape
-                                else (float(v) * n_tok, n_tok))     # scalars: token-weighted
-                for k, (s, c) in named.items():
-                    sums[k] = sums.get(k, 0.0) + s
-                    counts[k] = counts.get(k, 0.0) + c
+            tally.add(mb, fwd, metrics, spec.version)
         t1 = time.perf_counter()
+        grad_norm, finite = self._optimizer_step(loss_total, critic)
+        return {"loss": loss_total, "grad_norm": grad_norm, "sums": tally.sums,
+                "counts": tally.counts,
+                "max": {"mismatch/max_abs": tally.max_abs, "memory/trainer_peak_gib": _peak_gib()},
+                "nonfinite": not finite,            # pi_prox given: the driver has them
+                "logprobs": None if "prox_logprobs" in batch else torch.cat(trained).cpu().numpy(),
+                "time": {"train/fwd_bwd_s": t1 - t0, "train/optim_s": time.perf_counter() - t1}}
+
+    def _optimizer_step(self, loss: float, critic: torch.nn.Module | None) -> tuple[float, bool]:
+        """Clip, all-reduce the critic's grads, step unless non-finite; (grad norm, stepped)."""
         _reshard(self.model)              # before the grads and the optimizer: the shards
         grad_norm = self._clip_grads()
         if critic is not None:
@@ -248,60 +183,51 @@ class PolicyWorker:
             torch.nn.utils.clip_grad_norm_(critic.parameters(), self.cfg["grad_clip"])
         if self.reference is not None:
             _reshard(self.reference)
-        finite = torch.tensor(float(math.isfinite(loss_total) and math.isfinite(grad_norm)),
+        finite = torch.tensor(float(math.isfinite(loss) and math.isfinite(grad_norm)),
                               device=self.device)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)      # every rank steps, or none does
         if finite.item():
             self.optim.step()
         self.optim.zero_grad(set_to_none=True)
-        return {"loss": loss_total, "grad_norm": float(grad_norm), "sums": sums, "counts": counts,
-                "max": {"mismatch/max_abs": max_abs, "memory/trainer_peak_gib": _peak_gib()},
-                "nonfinite": not finite.item(),     # pi_prox given: the driver has them
-                "logprobs": None if "prox_logprobs" in batch else torch.cat(trained).cpu().numpy(),
-                "time": {"train/fwd_bwd_s": t1 - t0, "train/optim_s": time.perf_counter() - t1}}
+        return float(grad_norm), bool(finite.item())
 
     def _clip_grads(self) -> float:
         """Clip the step's gradients to `trainer.grad_clip`; returns their total norm."""
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg["grad_clip"])
-        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        return float(gathered(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                             self.cfg["grad_clip"])))
 
     @torch.no_grad()
     def logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0,
                  with_routing: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """[b, T] trainer log-probs of trainable tokens (0 elsewhere), pre-update weights;
         `with_routing` (MoE): also the [b, T, layers, k] expert ids the forward used (-1: pad)."""
-        B, T = batch["input_ids"].shape
-        out = torch.zeros(B, T)
-        ids: torch.Tensor | None = None
-        s = 0
-        for mb in self._micro_batches(batch):
-            moe_out: dict[str, torch.Tensor] = {}
-            lp = self._logprobs(mb, temperature, moe_out).cpu()
-            out[s:s + lp.shape[0], :lp.shape[1]] = lp
-            if with_routing and moe_out:
-                u = moe_out["ids"].cpu().to(torch.int32)
-                if ids is None:
-                    ids = torch.full((B, T, *u.shape[2:]), -1, dtype=torch.int32)
-                ids[s:s + u.shape[0], :u.shape[1]] = u
-            s += lp.shape[0]
-        _reshard(self.model)
-        return (out, ids) if with_routing else out
+        T, ids = batch["input_ids"].shape[1], []
+
+        def fn(mb: dict[str, torch.Tensor]) -> torch.Tensor:
+            fwd = self._forward(mb, temperature)
+            if with_routing and fwd.expert_ids is not None:     # [b, t, L, k] -> [b, T, L, k]
+                u = fwd.expert_ids.cpu().to(torch.int32)
+                ids.append(F.pad(u, (0, 0, 0, 0, 0, T - u.shape[1]), value=-1))
+            return fwd.logprobs
+        out = self._per_token(batch, self.model, fn)
+        return (out, torch.cat(ids) if ids else None) if with_routing else out
 
     @torch.no_grad()
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[b, T] the critic's values of the states before trainable tokens (0 elsewhere)."""
-        def fn(mb: dict[str, torch.Tensor]) -> torch.Tensor:
-            extras: dict[str, torch.Tensor] = {}
-            self._logprobs(mb, 1.0, None, extras, self._critic())
-            return extras["values"]
-        return self._per_token(batch, self.model, fn)
+        return self._per_token(batch, self.model,
+                               lambda mb: self._forward(mb, 1.0, self._critic()).values)
 
     @torch.no_grad()
     def ref_logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0
                      ) -> torch.Tensor:
         """[b, T] log-probs of trainable tokens under pi_ref (the frozen initial weights)."""
-        ref = self._reference()
-        return self._per_token(batch, ref, lambda mb: self._logprobs(mb, temperature, model=ref))
+        return self._per_token(batch, self._reference(),
+                               lambda mb: self._ref_forward(mb, temperature))
+
+    @torch.no_grad()
+    def _ref_forward(self, mb: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+        return self._forward(mb, temperature, model=self._reference()).logprobs
 
     def _per_token(self, batch: dict[str, torch.Tensor], model: Any,
                    fn: Callable[[dict], torch.Tensor]) -> torch.Tensor:
@@ -315,19 +241,33 @@ class PolicyWorker:
         return out
 
     def save_checkpoint(self, path: str) -> bool:
-        """This rank's shards of model, optimizer and critic, and its RNG (`checkpoint`)."""
-        ckpt.save_rank(self, path)
+        """This rank's shards of model, AdamW and critic in `path`/policy (DCP, collective) and its
+        RNG in `path`/rng_rank{r}.pt (`run.checkpoint`'s layout); True when there is a critic."""
+        msd, osd = get_state_dict(self._stateful(), self.optim)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=Path(path) / "policy")
+        torch.save(ckpt.rng_state(), Path(path) / f"rng_rank{self.rank}.pt")
         return self.value_head is not None
 
     def load_checkpoint(self, path: str, critic: bool) -> None:
-        ckpt.load_rank(self, path, critic)
+        """What `save_checkpoint` wrote (`critic`: what it returned)."""
+        if critic:
+            self._critic()                 # its param group must exist before AdamW state loads
+        mods = self._stateful()
+        state = dict(zip(("model", "optim"), get_state_dict(mods, self.optim)))
+        dcp.load(state, checkpoint_id=Path(path) / "policy")
+        set_state_dict(mods, self.optim, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        ckpt.set_rng_state(torch.load(Path(path) / f"rng_rank{self.rank}.pt", weights_only=True))
+
+    def _stateful(self) -> torch.nn.Module:
+        critic = {} if self.value_head is None else {"critic": self.value_head}
+        return torch.nn.ModuleDict({"policy": self.model, **critic})
 
     def _named_full_tensors(self, merge: bool = True, master: bool = False
                             ) -> Iterator[tuple[str, torch.Tensor]]:
         """Gathered parameters; with LoRA and `merge`, the merged HF weights (`lora.merged`); in
         the engines' dtypes (`model.dtype`, routers fp32) unless `master` (the fp32 masters)."""
-        named = ((name, (p.full_tensor() if isinstance(p, DTensor) else p).detach())
-                 for name, p in self.model.named_parameters())
+        named = ((name, gathered(p).detach()) for name, p in self.model.named_parameters())
         cfg = self.cfg["lora"]
         named = lora.merged(named, cfg["alpha"] / cfg["rank"]) if merge and cfg["rank"] else named
         dtype = _DTYPES[self.dtype]
@@ -347,11 +287,9 @@ class PolicyWorker:
         (`weight_sync.send`), over Ray or, with `transport="broadcast"`/`"shm"`, a process group
         / shared-memory channel built on the first push to these engines."""
         named = self._named_full_tensors()
-        if self.rank != 0:
-            for _ in named:             # each gather is a collective: take part, send nothing
-                pass
-            return {}
         try:
+            if self.rank != 0:
+                return {}
             group = None
             if transport in ("broadcast", "shm"):
                 key = [e._actor_id for e in engines]
@@ -362,9 +300,12 @@ class PolicyWorker:
             return weight_sync.send(named, engines, version, bucket_bytes, timeout_s, group)
         except Exception:
             self._group_key = None      # a failed collective leaves the group unusable
-            for _ in named:             # finish the gathers: the other ranks stay in step
-                pass
             raise
+        finally:
+            # each gather is a collective: ranks that send nothing, or whose send failed, finish
+            # them so the other ranks stay in step
+            for _ in named:
+                pass
 
 
 _IMAGE_KEYS = ("pixel_values", "image_grid_thw")   # per row, not per token (collate)
@@ -388,15 +329,21 @@ def _reshard(model: Any) -> None:
             m.reshard()
 
 
+def _with_forward(model: Any, share_context: bool) -> Any:
+    """`model.molt_token_logprobs`: `token_logprobs` as an FSDP2 forward method (the root owns
+    embed/norm/lm_head: gathered only inside a registered forward method)."""
+    model.molt_token_logprobs = functools.partial(token_logprobs, model,
+                                                  share_context=share_context)
+    register_fsdp_forward_method(model, "molt_token_logprobs")
+    return model
+
+
+def gathered(x: Any) -> Any:
+    """The full tensor of a DTensor (a collective over its mesh); anything else as is."""
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
 def _tensor(x: Any) -> torch.Tensor:
     return torch.tensor(x) if isinstance(x, np.ndarray) else x   # copied: Ray's is read-only
 
-
-def nanmax(a: float, b: float) -> float:
-    """max that keeps a NaN (Python's `max` drops it when it comes first)."""
-    return a if math.isnan(a) else max(b, a)
-
-
-def _images(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    return (mb["pixel_values"], mb["image_grid_thw"]) if "image_grid_thw" in mb else None
 

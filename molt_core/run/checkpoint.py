@@ -1,8 +1,8 @@
 """Persistence: sharded checkpoints (DCP), lossless resume, plain HF export.
 
 A checkpoint is `RUN_DIR/checkpoints/step_NNNNNN/` (NNNNNN = optimizer steps done):
-  policy/          DCP, each trainer rank writes its own shards: model, AdamW (step, moments,
-                   LR), critic when there is one
+  policy/          DCP, each trainer rank writes its own shards (`PolicyWorker.save_checkpoint`):
+                   model, AdamW (step, moments, LR), critic when there is one
   rng_rank{r}.pt   torch/python/numpy RNG of trainer rank r
   driver.pt        step, weight version, driver and engine RNG, the generator's task cursor and
                    pool (finished groups; in-flight group ids, re-issued on resume with the same
@@ -31,15 +31,14 @@ import structlog
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from molt_core.config import Config, ConfigError, to_dict
 from molt_core.run.metrics import RunDirError
 from molt_core.trajectory import ImageInput, Trajectory
 
 __all__ = ["SAFE_TO_CHANGE", "Checkpointer", "CheckpointError", "check_resume_config",
-           "export", "export_hf", "latest", "load_rank", "prepare_resume", "resolve",
-           "resume_recipe", "save_rank"]
+           "export", "export_hf", "latest", "prepare_resume", "resolve", "resume_recipe",
+           "rng_state", "set_rng_state"]
 
 log = structlog.get_logger("molt.checkpoint")
 
@@ -74,32 +73,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# -- trainer ranks (called inside each PolicyWorker; DCP is collective over the ranks) ----------
-def _stateful(worker: Any) -> torch.nn.Module:
-    mods = {"policy": worker.model}
-    if worker.value_head is not None:
-        mods["critic"] = worker.value_head
-    return torch.nn.ModuleDict(mods)
-
-
-def save_rank(worker: Any, path: str) -> None:
-    msd, osd = get_state_dict(_stateful(worker), worker.optim)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=Path(path) / "policy")
-    torch.save(rng_state(), Path(path) / f"rng_rank{worker.rank}.pt")
-
-
-def load_rank(worker: Any, path: str, critic: bool) -> None:
-    if critic:
-        worker._critic()                 # its param group must exist before AdamW state loads
-    mods = _stateful(worker)
-    msd, osd = get_state_dict(mods, worker.optim)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=Path(path) / "policy")
-    set_state_dict(mods, worker.optim, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
-    set_rng_state(torch.load(Path(path) / f"rng_rank{worker.rank}.pt", weights_only=True))
-
-
 # -- driver ------------------------------------------------------------------------------------
 def _step_dirs(run_dir: Path) -> list[Path]:
     root = run_dir / "checkpoints"
@@ -126,9 +99,7 @@ def resolve(path: str | Path) -> Path:
 
 
 def _traj_state(t: Trajectory) -> dict[str, Any]:
-    d = dict(vars(t))
-    d["images"] = [dict(vars(im)) for im in t.images]
-    return d
+    return {**vars(t), "images": [dict(vars(im)) for im in t.images]}
 
 
 def _traj_load(d: dict[str, Any]) -> Trajectory:
