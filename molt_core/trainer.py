@@ -36,8 +36,7 @@ class ForwardConsistencyError(RuntimeError):
 def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
           progress: bool = True, resume: Path | None = None) -> list[dict[str, Any]]:
     """Run `cfg.trainer.steps` steps (from checkpoint `resume` on); returns the per-step metrics
-    (with `eval.every`, held-out evaluation rows {"step": updates so far, "eval/...": ...} in
-    between)."""
+    and, with `eval.every`, held-out evaluation rows in between (`_Log`)."""
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     vocab_size = AutoConfig.from_pretrained(cfg.model.path).get_text_config().vocab_size
     agent = plugins.get("agent", cfg.agent.name)(cfg, tokenizer, plugins, **cfg.agent.args)

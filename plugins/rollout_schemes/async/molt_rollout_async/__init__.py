@@ -23,7 +23,7 @@ from molt_core.config import Config, ConfigError
 from molt_core.rollout.generator import filter_stale
 from molt_core.trajectory import Trajectory
 
-__all__ = ["AsyncScheme", "default_staleness", "require_correction"]
+__all__ = ["AsyncScheme", "configure"]
 
 
 class AsyncScheme:
@@ -62,19 +62,18 @@ class AsyncScheme:
         self.policy.push_weights(self.engines, self.version)
 
 
-def require_correction(cfg: Config, scheme: str) -> None:
-    if cfg.rollout.scheme == scheme and cfg.algorithm.correction == "none":
+def configure(cfg: Config, scheme: str) -> None:
+    """With `rollout.scheme` `scheme` (a pooled one): a correction is required, and an unset
+    `rollout.max_staleness` becomes the pool's depth in batches."""
+    r = cfg.rollout
+    if r.scheme != scheme:
+        return
+    if cfg.algorithm.correction == "none":
         raise ConfigError(
             f"rollout.scheme '{scheme}' trains on tokens sampled by older weights (up to "
             f"rollout.max_staleness versions) than the ones being "
             "trained; without an importance-sampling correction the update is biased. Set "
             "algorithm.correction to tis, icepop or mis (thresholds in algorithm.correction_args)")
-
-
-def default_staleness(cfg: Config, scheme: str) -> None:
-    r = cfg.rollout
-    if r.scheme != scheme:
-        return
     depth = -(-(r.max_inflight_groups or r.groups_per_step) // r.groups_per_step)
     if r.max_staleness is None:
         r.max_staleness = depth
@@ -89,8 +88,7 @@ def default_staleness(cfg: Config, scheme: str) -> None:
 
 @hookimpl
 def molt_configure(cfg: Config) -> None:
-    require_correction(cfg, "async")
-    default_staleness(cfg, "async")
+    configure(cfg, "async")
 
 
 @hookimpl

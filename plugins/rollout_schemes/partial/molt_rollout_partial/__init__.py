@@ -15,7 +15,7 @@ import ray
 
 from molt_core import hookimpl
 from molt_core.config import Config
-from molt_rollout_async import AsyncScheme, default_staleness, require_correction
+from molt_rollout_async import AsyncScheme, configure
 
 __all__ = ["PartialScheme"]
 
@@ -38,8 +38,7 @@ class PartialScheme(AsyncScheme):
 
 @hookimpl
 def molt_configure(cfg: Config) -> None:
-    require_correction(cfg, "partial")
-    default_staleness(cfg, "partial")
+    configure(cfg, "partial")
 
 
 @hookimpl
