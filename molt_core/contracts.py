@@ -45,7 +45,7 @@ class Engine(Protocol):
 
     def __init__(self, model_path: str, *, dtype: str, max_batch_size: int, seed: int,
                  num_threads: int) -> None:
-        """`model.*`, `engine.max_batch_size`, its seed and threads, and each `engine.args`."""
+        """`model.*`, `engine.max_batch_size`, its seed, its threads; each `engine.args` too."""
 
     async def generate_batch(self, prompts: list[list[int]], samplings: list[dict],
                              images: list[list[ImageInput]] | None = None,
@@ -100,7 +100,7 @@ class TrainerBackend(Protocol):
         """Start `trainer_cfg.num_ranks` ranks; `actor_options`: each rank's Ray options."""
 
     def train(self, batch: dict[str, torch.Tensor], spec: TrainStep) -> dict[str, float]:
-        """`trainer.epochs` x `mini_batches` optimizer steps; float metrics (`loss`, ...)."""
+        """`trainer.epochs` x `mini_batches` optimizer steps of `spec`; metrics (`loss`, ...)."""
 
     def logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0,
                  with_routing: bool = False) -> Any:
@@ -118,10 +118,10 @@ class TrainerBackend(Protocol):
 
     def full_params(self, adapter: bool = False, master: bool = False
                     ) -> dict[str, torch.Tensor]:
-        """By HF name as engines get them (LoRA merged); `adapter` only; `master`: fp32."""
+        """Full tensors by HF name, LoRA merged (`adapter`: its weights only; `master`: fp32)."""
 
     def push_weights(self, engines: list[Any], version: int) -> dict[str, Any]:
-        """To `Engine` actors; a dead one raises `weight_sync.WeightSyncError` or a Ray error."""
+        """Send the weights as `version`; a dead engine raises `weight_sync.WeightSyncError`."""
 
     def save_checkpoint(self, path: str) -> bool:
         """Write every rank's state under directory `path`; True when a critic was saved."""

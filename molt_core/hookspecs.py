@@ -57,11 +57,8 @@ def molt_rewards() -> dict[str, Callable]:
 
 @hookspec
 def molt_agents() -> dict[str, Callable]:
-    """Register agent types.
-
-    Returns `{name: factory}`; `factory(cfg, tokenizer, plugins, **agent.args) -> agent`, an
-    `molt_core.contracts.Agent`: `async rollout(ctx: RolloutContext) -> Trajectory`.
-    """
+    """Register agent types: `{name: factory}`, `factory(cfg, tokenizer, plugins, **agent.args)
+    -> agent` (a `molt_core.contracts.Agent`: `async rollout(ctx) -> Trajectory`)."""
 
 
 @hookspec
@@ -81,12 +78,8 @@ def molt_trainer_backends() -> dict[str, type]:
 
 @hookspec
 def molt_rollout_schemes() -> dict[str, Callable]:
-    """Register rollout schemes.
-
-    Returns `{name: factory}`; `factory(cfg, generator, policy, engines) -> scheme`, a
-    `molt_core.contracts.RolloutScheme`: `next_batch(step) -> list[list[Trajectory]]` (complete
-    groups), `sync_weights(step) -> int` (pushes when the scheme decides; the weight version).
-    """
+    """Register rollout schemes: `{name: factory}`, `factory(cfg, generator, policy, engines)
+    -> scheme` (a `molt_core.contracts.RolloutScheme`: `next_batch`, `sync_weights`, `version`)."""
 
 
 @hookspec
@@ -140,12 +133,9 @@ def molt_chat_agents() -> dict[str, type]:
 
 @hookspec
 def molt_metric_sinks() -> dict[str, Callable]:
-    """Register metric sinks (TensorBoard, W&B, ...), selected by `log.sinks: [name, ...]`.
-
-    Returns `{name: factory}`; `factory(run_dir: Path | None, cfg: Config) -> sink`, a
-    `molt_core.contracts.MetricSink`: `log(step, metrics)` (the numeric entries of each
-    `metrics.jsonl` row), `close()`.
-    """
+    """Register metric sinks (TensorBoard, W&B, ...), selected by `log.sinks: [name, ...]`:
+    `{name: factory}`, `factory(run_dir: Path | None, cfg: Config) -> sink` (a
+    `molt_core.contracts.MetricSink`: `log(step, metrics)`, `close()`)."""
 
 
 @hookspec

@@ -23,9 +23,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 
 from molt_core.trajectory import ImageInput
 
-__all__ = ["ImageEncoder", "content_text", "decode_data_uri", "decoder_layers", "images_of",
-           "is_vl", "load_model", "model_inputs", "require_chat_template", "unpack_rows",
-           "vision_token_ids"]
+__all__ = ["ImageEncoder", "MessageEncoder", "content_text", "decode_data_uri", "decoder_layers",
+           "images_of", "is_vl", "load_model", "model_inputs", "require_chat_template",
+           "unpack_rows", "vision_token_ids"]
 
 VISION_PART = "<|vision_start|><|image_pad|><|vision_end|>"   # one image in rendered text
 
@@ -93,7 +93,7 @@ def content_text(content: str | list[dict] | None) -> str:
 
 
 def require_chat_template(tokenizer: Any) -> None:
-    """Raise ValueError unless the tokenizer can render chat messages (agents that do: gym, chat)."""
+    """Raise ValueError unless the tokenizer can render chat messages (the gym and chat agents)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"the tokenizer at '{getattr(tokenizer, 'name_or_path', '?')}' has no "
                          "chat template, which chat agents need to render messages: use an "
@@ -141,6 +141,23 @@ class ImageEncoder:
             offset += n_patches
             ids += [self.image_id] * n
         return ids, result
+
+
+class MessageEncoder:
+    """`encoder(text, messages) -> (ids, images)`: token ids of `text`, the rendering of chat
+    `messages`, and the images those hold; the `ImageEncoder` is built at the first image."""
+
+    def __init__(self, tokenizer: Any, model_path: str | Path | None = None) -> None:
+        self.tok, self.path, self._images = tokenizer, model_path, None
+
+    def __call__(self, text: str, messages: Sequence[dict]) -> tuple[list[int], list[ImageInput]]:
+        images = images_of(messages)
+        if not images:
+            return self.tok(text, add_special_tokens=False).input_ids, []
+        if self._images is None:
+            path = self.tok.name_or_path if self.path is None else self.path
+            self._images = ImageEncoder(path, self.tok)
+        return self._images.encode(text, images)
 
 
 def model_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -137,6 +137,14 @@ def _content(content: Any, where: str) -> str | list[dict]:
     return parts
 
 
+def _role(m: Any, where: str, allowed: tuple[str, ...]) -> str:
+    role = _want(m, dict, where).get("role")
+    role = "system" if role == "developer" and "system" in allowed else role
+    if role not in allowed:
+        raise RequestError(400, f"'{where}.role': unsupported message role {role!r}")
+    return role
+
+
 def _messages_list(body: dict, key: str = "messages") -> list:
     msgs = body.get(key)
     if not isinstance(msgs, list) or not msgs:
@@ -155,10 +163,7 @@ def openai_messages(body: dict) -> tuple[list[dict], list[dict] | None]:
     out = []
     for i, m in enumerate(_messages_list(body)):
         w = f"messages[{i}]"
-        role = _want(m, dict, w).get("role")
-        role = "system" if role == "developer" else role
-        if role not in ("system", "user", "assistant", "tool"):
-            raise RequestError(400, f"'{w}.role': unsupported message role {role!r}")
+        role = _role(m, w, ("system", "user", "assistant", "tool"))
         msg: dict[str, Any] = {"role": role, "content": _content(m.get("content"), f"{w}.content")}
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = []
@@ -181,9 +186,7 @@ def anthropic_messages(body: dict, raw_args: dict[str, str]) -> tuple[list[dict]
         out.append({"role": "system", "content": text_of(body["system"], "system")})
     for i, m in enumerate(_messages_list(body)):
         w = f"messages[{i}]"
-        role, content = _want(m, dict, w).get("role"), m.get("content")
-        if role not in ("user", "assistant"):
-            raise RequestError(400, f"'{w}.role': unsupported message role {role!r}")
+        role, content = _role(m, w, ("user", "assistant")), m.get("content")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else \
             _want(content or [], list, f"{w}.content")
         text: list = []
@@ -242,10 +245,7 @@ def responses_messages(body: dict) -> tuple[list[dict], list[dict] | None]:
         w = f"input[{i}]"
         kind = _want(it, dict, w).get("type", "message")
         if kind == "message":
-            role = it.get("role")
-            role = "system" if role == "developer" else role
-            if role not in ("system", "user", "assistant"):
-                raise RequestError(400, f"'{w}.role': unsupported message role {role!r}")
+            role = _role(it, w, ("system", "user", "assistant"))
             out.append({"role": role, "content": text_of(it.get("content"), f"{w}.content")})
         elif kind == "function_call":
             call = {"id": _want(it.get("call_id"), str, f"{w}.call_id"), "type": "function",

@@ -118,7 +118,7 @@ class ChatSession:
     _cache: dict[str, dict] = field(default_factory=dict)
     _raw_args: dict[str, str] = field(default_factory=dict)  # tool call id -> arguments as sampled
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    _images: multimodal.ImageEncoder | None = None
+    _encoder: multimodal.MessageEncoder | None = None
 
     def render(self, messages: list[dict], tools: list[dict] | None) -> str:
         try:
@@ -131,13 +131,8 @@ class ChatSession:
     def _encode(self, text: str, messages: list[dict]) -> tuple[list[int], list[ImageInput]]:
         """Ids of `text` (the rendering of `messages`) and the images those messages hold."""
         try:
-            images = multimodal.images_of(messages)
-            if not images:
-                return self.tokenizer(text, add_special_tokens=False).input_ids, []
-            if self._images is None:
-                self._images = multimodal.ImageEncoder(self.tokenizer.name_or_path,
-                                                       self.tokenizer)
-            return self._images.encode(text, images)
+            self._encoder = self._encoder or multimodal.MessageEncoder(self.tokenizer)
+            return self._encoder(text, messages)
         except ValueError as e:    # a bad data URI, or images for a text-only model
             raise RequestError(400, str(e)) from None
 

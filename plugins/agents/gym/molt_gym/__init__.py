@@ -43,7 +43,7 @@ class GymAgent:
         self.chat_template = chat_template
         self.tok = tokenizer
         self.model_path = cfg.model.path if cfg is not None else ""
-        self._images: multimodal.ImageEncoder | None = None
+        self.encode = multimodal.MessageEncoder(tokenizer, self.model_path)
         self._openings: dict[str, tuple[str, list[int]]] = {}   # text-only first prompts
 
     def opening(self, messages: list[dict]) -> tuple[str, list[int], list[ImageInput]]:
@@ -59,15 +59,6 @@ class GymAgent:
                 self._openings.clear()
             self._openings[key] = (text, ids)
         return text, ids, images
-
-    def encode(self, text: str, messages: list[dict]) -> tuple[list[int], list[ImageInput]]:
-        """Token ids of `text`, the rendering of `messages`, and the images those hold."""
-        images = multimodal.images_of(messages)
-        if not images:
-            return self.tok(text, add_special_tokens=False).input_ids, []
-        if self._images is None:
-            self._images = multimodal.ImageEncoder(self.model_path, self.tok)
-        return self._images.encode(text, images)
 
     def render(self, messages: list[dict]) -> str:
         """The whole conversation as text, ending where the policy speaks next. Without a chat
