@@ -21,9 +21,10 @@ from typing import Any
 from transformers import AutoConfig
 
 from molt_core import hookimpl
-from molt_core.chat.server import require_chat_template, shared_server, shutdown_shared
+from molt_core.chat.server import shared_server, shutdown_shared
 from molt_core.config import Config, ConfigError
 from molt_core.contracts import RolloutContext
+from molt_core.multimodal import require_chat_template
 from molt_core.trajectory import Trajectory
 
 __all__ = ["ChatAgent", "ChatContext", "ChatRunner"]
