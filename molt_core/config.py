@@ -350,8 +350,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (),
             raise ConfigError(f"recipe '{path}' must be a YAML mapping at top level")
     data = apply_overrides(data, list(overrides))
     sections = sections or {}
-    core_keys = {f.name for f in dataclasses.fields(Config)}
-    clash = core_keys & set(sections)
+    clash = {f.name for f in dataclasses.fields(Config)} & set(sections)
     if clash:
         raise ConfigError(f"plugin config sections {sorted(clash)} clash with core sections")
     plugin_data = {k: data.pop(k) for k in list(data) if k in sections}
@@ -363,6 +362,6 @@ def load_config(path: str | Path | None, overrides: list[str] = (),
         raise
     cfg.plugins = {name: from_dict(cls, plugin_data.get(name, {}), name)
                    for name, cls in sections.items()}
-    from molt_core.config_rules import validate
+    from molt_core.config_rules import validate     # it imports this module
     validate(cfg)
     return cfg
