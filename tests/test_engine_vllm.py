@@ -185,7 +185,8 @@ def policy(ray_local, tiny_model_dir):
     from molt_core.policy.handle import Policy
     p = Policy(str(tiny_model_dir), TrainerConfig(num_ranks=1, timeout_s=120.0,
                                                   weight_sync_timeout_s=30.0,
-                                                  weight_sync_bucket_mb=0.05))
+                                                  weight_sync_bucket_mb=0.05,
+                                                  in_driver=False))   # weight_sync.push: actors
     yield p
     p.shutdown()
 
