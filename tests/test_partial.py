@@ -133,8 +133,8 @@ def test_partial_rollout_switches_versions_inside_a_response(ray_local, tiny_mod
         b = collate(spanning, [[0.0] * len(t) for t in spanning])
         model0 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         with torch.no_grad():
-            lp0 = token_logprobs(model0, b["input_ids"], b["attention_mask"], b["loss_mask"],
-                                 1.0, 1024)
+            lp0 = token_logprobs(model0, {k: b[k] for k in ("input_ids", "attention_mask",
+                                                            "loss_mask")}, 1.0, 1024).logprobs
         lp1 = policy.logprobs(b)
         for lp, v in ((lp0, 0), (lp1, 1)):
             sel = b["loss_mask"] & (b["versions"] == v)
