@@ -66,11 +66,10 @@ def validate(cfg: Config) -> None:
         (cfg.log.trajectories_every >= 0 and cfg.log.trajectories_per_step >= 0,
          "log.trajectories_every and log.trajectories_per_step must be >= 0 (0: off / all)"),
     ])
-    sections = [f.name for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, f.name))]
-    for where, key in [(w, f.name) for w in sections for f in dataclasses.fields(getattr(cfg, w))]:
-        if key.endswith("timeout_s") and getattr(getattr(cfg, where), key) <= 0:
-            raise ConfigError(f"{where}.{key} must be > 0 seconds (got "
-                              f"{getattr(getattr(cfg, where), key)})")
+    _require([(getattr(sec, f.name) > 0, f"{where}.{f.name} must be > 0 seconds (got "
+               f"{getattr(sec, f.name)})") for where, sec in vars(cfg).items()
+              if dataclasses.is_dataclass(sec)
+              for f in dataclasses.fields(sec) if f.name.endswith("timeout_s")])
     _validate_correction(cfg)
     _validate_terms(cfg.algorithm.terms)
     _require([(cfg.model.path, "model.path is missing: set it to a local HF model directory "
@@ -189,8 +188,5 @@ def _validate_sampling(s: SamplingConfig) -> None:
 
 
 def _validate_terms(t: LossTermsConfig) -> None:
-    negative = [k for k in ("kl_coef", "entropy_coef", "value_coef", "value_clip", "value_lr")
-                if getattr(t, k) < 0]
-    if negative:
-        raise ConfigError(f"algorithm.terms.{negative[0]} must be >= 0 (got "
-                          f"{getattr(t, negative[0])})")
+    _require([(getattr(t, k) >= 0, f"algorithm.terms.{k} must be >= 0 (got {getattr(t, k)})")
+              for k in ("kl_coef", "entropy_coef", "value_coef", "value_clip", "value_lr")])
