@@ -15,7 +15,7 @@ import structlog
 from molt_core.config import Config, ConfigError, load_config, to_dict
 from molt_core.plugins import KINDS, PluginError, Plugins, build_plugins
 
-__all__ = ["check_against_plugins", "load", "main", "plugin_args", "recipe_args", "run",
+__all__ = ["check_against_plugins", "load", "plugin_args", "recipe_args", "run",
            "run_args", "validate"]
 
 
@@ -113,14 +113,3 @@ def run(args: argparse.Namespace) -> int:
         first, last = steps[0]["reward/mean"], steps[-1]["reward/mean"]
         print(f"reward: first step {first:.3f} -> last step {last:.3f} ({len(steps)} steps)")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m molt_core[.cli]`: the `molt` command, whose dispatcher (the console script's
-    target) lives with the tool commands."""
-    from molt_tools.commands import main as dispatch
-    return dispatch(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

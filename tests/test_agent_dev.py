@@ -6,7 +6,7 @@ import threading
 
 import openai
 
-from molt_core.cli import main
+from molt_tools.commands import main
 from molt_tools.agent_dev import serve
 from molt_tools.commands import parse
 from molt_tools.view import read_trajectories

@@ -766,7 +766,7 @@ def test_limits_and_malformed_bodies_are_clean_errors(tiny_model_dir, tok):
 
 def test_missing_chat_template_is_one_clear_error(tiny_model_dir, tmp_path, capsys):
     from molt_core.chat.server import ChatServer
-    from molt_core.cli import main
+    from molt_tools.commands import main
 
     model = tmp_path / "no_template"
     shutil.copytree(tiny_model_dir, model)
@@ -791,7 +791,7 @@ def test_missing_chat_template_is_one_clear_error(tiny_model_dir, tmp_path, caps
 
 def test_tool_charset_tiny_model_serves_a_tool_agent(tmp_path):
     """`molt tiny-model --chars tools`: the tools preamble fits and a tool call has no <unk>."""
-    from molt_core.cli import main
+    from molt_tools.commands import main
 
     assert main(["tiny-model", str(tmp_path / "m"), "--chars", "tools"]) == 0
     tok = AutoTokenizer.from_pretrained(tmp_path / "m")

@@ -39,7 +39,7 @@ def _molt(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     ray_tmp = tempfile.mkdtemp(prefix="rayck", dir="/tmp")
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, **(env or {}),
            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "molt_core.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "molt_tools", *args], capture_output=True,
                           text=True, timeout=900, env=env)
 
 

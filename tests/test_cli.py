@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from molt_core import HOOK_API_VERSION, __version__
-from molt_core.cli import main
+from molt_tools.commands import main
 from molt_tools.commands import COMMANDS, parse
 
 ROOT = Path(__file__).parents[1]
@@ -70,7 +70,7 @@ def test_every_command_builds_its_parser_and_help(capsys):
 
 
 def test_version_lists_core_hook_api_and_plugins():
-    out = subprocess.run([sys.executable, "-m", "molt_core", "--version"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "molt_tools", "--version"], capture_output=True,
                          text=True, timeout=120, check=True).stdout
     assert out.splitlines()[0] == f"molt-core {__version__} (hook API {HOOK_API_VERSION})"
     assert "  grpo: molt-estimator-grpo " in out and "  gym: molt-agent-gym " in out
@@ -212,7 +212,7 @@ def test_run_in_a_fresh_process_prestarts_ray_and_stops_it_on_bad_input(tiny_rec
     import psutil
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")    # short: Ray's socket paths
     env = {**os.environ, "RAY_TMPDIR": ray_tmp}
-    run = [sys.executable, "-m", "molt_core", "run", tiny_recipe, f"out_dir={tmp_path}/runs",
+    run = [sys.executable, "-m", "molt_tools", "run", tiny_recipe, f"out_dir={tmp_path}/runs",
            "trainer.steps=2", "--no-progress"]
     ok = subprocess.run(run, capture_output=True, text=True, timeout=300, env=env)
     assert ok.returncode == 0 and "(2 steps)" in ok.stdout, ok.stderr

@@ -6,7 +6,7 @@ import pytest
 import ray
 import yaml
 
-from molt_core.cli import main
+from molt_tools.commands import main
 from molt_core.config import ConfigError, load_config
 
 RECIPE = "recipes/cpu/next_letter.yaml"

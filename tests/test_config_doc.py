@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 
-from molt_core.cli import load, main
+from molt_core.cli import load
+from molt_tools.commands import main
 from molt_core.config import Config, to_dict
 from molt_tools.config_doc import field_docs
 

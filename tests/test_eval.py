@@ -9,7 +9,8 @@ import json
 import pytest
 import yaml
 
-from molt_core.cli import load, main
+from molt_core.cli import load
+from molt_tools.commands import main
 from molt_core.rollout.eval import EVAL_TASKS
 from molt_core.trainer import train
 from molt_gym import Arithmetic

@@ -34,7 +34,7 @@ def _popen(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     ray_tmp = tempfile.mkdtemp(prefix="rayft", dir="/tmp")
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, **(env or {}),
            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, "-m", "molt_core.cli", *args], env=env, text=True,
+    return subprocess.Popen([sys.executable, "-m", "molt_tools", *args], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE), ray_tmp
 
 

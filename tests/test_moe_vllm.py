@@ -35,7 +35,8 @@ def recipe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_replay_rejected_with_reason(recipe, capsys):
-    from molt_core.cli import load, main
+    from molt_core.cli import load
+    from molt_tools.commands import main
     from molt_core.config import ConfigError
     from molt_core.engines.vllm import routed_experts_unsupported
 

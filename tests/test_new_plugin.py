@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from molt_core.cli import main
+from molt_tools.commands import main
 from molt_tools.scaffold import new_plugin
 
 
@@ -52,7 +52,7 @@ def test_generated_plugins_install_test_and_select(tmp_path, fresh_venv, tiny_re
         out = _run([fresh_venv, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=pkg)
         assert " passed" in out and "failed" not in out
 
-    molt = [fresh_venv, "-m", "molt_core.cli"]
+    molt = [fresh_venv, "-m", "molt_tools"]
     est, agent, roll = names["estimator"], names["agent"], names["rollout"]
     out = _run([*molt, "validate", tiny_recipe, "--plugin", est])
     assert f"estimator={est}, loss={est}" in out

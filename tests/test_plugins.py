@@ -7,7 +7,8 @@ import textwrap
 
 import pytest
 
-from molt_core.cli import load, main
+from molt_core.cli import load
+from molt_tools.commands import main
 from molt_core.plugins import PluginError, build_plugins
 
 RECIPE = "recipes/cpu/next_letter.yaml"

@@ -7,7 +7,7 @@ import math
 
 import matplotlib.image
 
-from molt_core.cli import main
+from molt_tools.commands import main
 from molt_tools.report import PLOTS, write_report
 
 KEYS = ["reward/mean", "reward/max", "reward/min", "eval/accuracy", "kl", "mismatch/kl",

@@ -18,7 +18,7 @@ from rich.console import Console
 from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoTokenizer
 
-from molt_core.cli import main
+from molt_tools.commands import main
 from molt_core.trajectory import Completion, ImageInput, Trajectory
 from molt_core.run.trajectory_store import trajectory_rows, write_trajectories
 from molt_tools.view import load_rows, render_terminal, token_roles
