@@ -483,7 +483,8 @@ async def shared_server() -> ChatServer:
 
 
 async def shutdown_shared() -> None:
-    """Close the running loop's shared server, if one was started (the generator's close)."""
+    """Close the running loop's shared server, if one was started (the chat agent's `aclose`,
+    from the generator's close)."""
     server = _servers.pop(asyncio.get_running_loop(), None)
     if server is not None:
         await server.close()
