@@ -106,8 +106,6 @@ class HFEngine:
                              images: list[list[ImageInput]] | None = None,
                              request_ids: list[str] | None = None
                              ) -> list[Completion | Exception]:
-        """Many requests in one call (one RPC instead of one per request); a failed request
-        returns its exception in place; `request_ids` name them for `abort`."""
         images = images or [None] * len(prompts)
         futures = []
         for p, s, i in zip(prompts, samplings, images):
@@ -119,8 +117,7 @@ class HFEngine:
         return await self._requests.gather(futures, request_ids)
 
     async def abort(self, request_ids: list[str]) -> None:
-        """Stop these requests (their callers gave up): a waiting one never starts, a decoding
-        one leaves its wave before the next token."""
+        """A waiting request never starts, a decoding one leaves its wave before the next token."""
         self._requests.abort(request_ids)
 
     def _submit(self, prompt_ids: list[int], sampling: dict,
@@ -148,7 +145,6 @@ class HFEngine:
         return req.future
 
     async def pause(self) -> None:
-        """Stop after the current decode step; in-flight requests keep their state."""
         self._bind_loop()
         self._paused = True
         self._can_run.clear()
@@ -161,11 +157,7 @@ class HFEngine:
 
     async def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]],
                              version: int) -> None:
-        """Copy one bucket into the model by HF name.
-
-        The first bucket blocks decoding until `finish_weight_update(version)` succeeds; a bucket
-        that fails validation copies nothing but leaves the update open (still blocking).
-        """
+        """A bucket that fails validation copies nothing (the update stays open)."""
         self._bind_loop()
         if self._update_version is None:
             self._update_version, self._updated = version, set()
@@ -188,7 +180,6 @@ class HFEngine:
                 self._updated.add(id(self._params[name]))
 
     async def weight_group_info(self) -> tuple[int, str]:
-        """Broadcast transport: ranks this engine adds to the weight group, and its node IP."""
         import ray
         return 1, ray.util.get_node_ip_address()
 
@@ -198,8 +189,7 @@ class HFEngine:
                                               world_size, backend, timeout_s)
 
     async def receive_weights(self, metas: list[weight_sync.Meta], version: int) -> None:
-        """Broadcast transport: receive one bucket over the weight group (off the event loop,
-        so decoding goes on meanwhile), then load it as `update_weights` does."""
+        """Received off the event loop, so decoding goes on meanwhile."""
         if getattr(self, "_group", None) is None:
             raise RuntimeError("receive_weights before join_weight_group")
         named = await asyncio.to_thread(self._group.receive, metas)
@@ -207,8 +197,7 @@ class HFEngine:
 
     async def receive_shm(self, path: str, nbytes: int, metas: list[weight_sync.Meta],
                           version: int) -> None:
-        """Shared-memory transport: load one bucket from a `weight_sync.ShmChannel` slot
-        (mapped on first use; the two latest slots stay mapped)."""
+        """Each slot is mapped on first use; the two latest stay mapped."""
         maps = self.__dict__.setdefault("_shm", {})
         if path not in maps:
             maps[path] = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
@@ -217,14 +206,12 @@ class HFEngine:
         await self.update_weights(weight_sync.unpack(maps[path], metas), version)
 
     async def finish_weight_update(self, version: int) -> None:
-        """Check every parameter was assigned since the update began, then serve `version`."""
         if self._update_version != version:
             raise RuntimeError(f"finish_weight_update({version}) but the update in progress is "
                                f"{self._update_version}")
         self._bind_loop()
         missing = [n for i, n in self._canonical.items() if i not in self._updated]
         if missing:
-            # The update stays open (decoding blocked): the sender may send the rest, then finish.
             raise RuntimeError(f"weight update to version {version} did not assign "
                                f"{len(missing)} parameter(s): {', '.join(missing)}")
         self._version, self._update_version = version, None

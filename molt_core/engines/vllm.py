@@ -242,9 +242,7 @@ class VLLMEngine:
     async def generate_batch(self, prompts: list[list[int]], samplings: list[dict],
                              images: list | None = None, request_ids: list[str] | None = None
                              ) -> list[Completion | Exception]:
-        """Many requests in one call (the generator's RPC); a failed request returns its
-        exception in place; `request_ids` name them for `abort`. Images are not passed to vLLM
-        (VL runs on `hf`; `molt validate` rejects engine=vllm with a VL checkpoint)."""
+        """VL runs on `hf` (`molt validate` rejects engine=vllm with a VL checkpoint)."""
         if images and any(images):
             raise ValueError("engine 'vllm' does not take images; use engine.name=hf for "
                              "vision-language models")
@@ -252,11 +250,9 @@ class VLLMEngine:
             [self.generate(p, s) for p, s in zip(prompts, samplings)], request_ids)
 
     async def abort(self, request_ids: list[str]) -> None:
-        """Stop these requests (their callers gave up): `generate` aborts them in vLLM."""
         self._requests.abort(request_ids)
 
     async def pause(self) -> None:
-        """Stop scheduling; in-flight requests keep their state (vLLM pause mode "keep")."""
         self._paused = True
         await self._call(self._llm.pause_generation(mode="keep", clear_cache=False), "pause",
                          self.update_timeout_s)
@@ -270,9 +266,8 @@ class VLLMEngine:
 
     async def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]],
                              version: int) -> None:
-        """Load one bucket by HF name on every worker (the first pauses decoding until
-        `finish_weight_update(version)`); returns once it is in one of two shared-memory slots:
-        it loads meanwhile (the slot's next call and `finish_weight_update` wait, or raise)."""
+        """Returns once the bucket is in one of two shared-memory slots, loading meanwhile (the
+        slot's next call and `finish_weight_update` wait for it, or raise)."""
         self._slot = slot = self._slot ^ 1
         await asyncio.gather(*self._channel.loading[slot])
         t0 = time.perf_counter()
@@ -283,8 +278,7 @@ class VLLMEngine:
             self.receive_shm(path, size, metas, version))]
 
     async def weight_group_info(self) -> tuple[int, str]:
-        """Broadcast transport: ranks this engine adds to the weight group (its workers), and
-        its node IP (loopback is used when every member shares the trainer's node)."""
+        """One rank per worker (loopback is used when every member shares the trainer's node)."""
         ips = await self._rpc("molt_worker_ip")
         return len(ips), ips[0]
 
@@ -293,13 +287,9 @@ class VLLMEngine:
         await self._rpc("molt_join_group", host, port, rank, world_size, backend, timeout_s)
 
     async def receive_weights(self, metas: list[Meta], version: int) -> None:
-        """Broadcast transport: every worker receives one bucket from trainer rank 0 and loads
-        it; the first bucket pauses decoding until `finish_weight_update(version)`."""
         await self._load("molt_receive_bucket", (), metas, version)
 
     async def receive_shm(self, path: str, nbytes: int, metas: list[Meta], version: int) -> None:
-        """Shared-memory transport: every worker loads one bucket straight from trainer rank 0's
-        `weight_sync.ShmChannel` file; the first bucket pauses decoding as above."""
         async with self._shm_order:
             await self._load("molt_load_bucket", (path, nbytes), metas, version)  # come in order
 
