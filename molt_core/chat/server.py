@@ -1,9 +1,8 @@
 """Loopback OpenAI + Anthropic compatible chat server with token-exact capture per rollout.
 
-A chat agent is an ordinary program that talks to `base_url` with the stock `openai` or
-`anthropic` SDK (chat completions, the Responses API, Anthropic messages; `GET /v1/models`). Each
-rollout gets a *session* (`/s/{session}/...`, its own random bearer token); the server renders each
-request with the model's chat template, generates in token space with the rollout's
+What it serves, and the rules a chat agent sees: docs/agents.md. Each rollout gets a *session*
+(`/s/{session}/...`, its own random bearer token); the server renders each request with the
+model's chat template, generates in token space with the rollout's
 `generate(prompt_ids, sampling) -> Completion`, and records the session's `Trajectory`:
 
 - If a request's messages extend the previous request's and the new rendering starts with the
@@ -11,30 +10,13 @@ request with the model's chat template, generates in token space with the rollou
   sampled reply ids are appended unchanged (`add_completion`), never re-tokenized. Otherwise (a
   template that drops earlier `<think>` blocks re-renders history) a new *segment* starts from
   the full rendering; the trainer treats each segment as its own sequence (`split_segments`).
-- An identical retried request (`stream` aside) returns the cached reply and generates nothing.
-  Resending the previous request's messages with anything else changed (e.g. a new `seed`, not
-  otherwise used) samples afresh and the new reply *replaces* the previous one in the trajectory
-  (`info["resampled"]`), so "resample until valid" trains on what was kept.
-- A prompt that does not fit the context is a 400 (`context_length_exceeded`) naming both
-  lengths; the rollout is marked truncated (`info["context_overflow"]`).
-- `stop` (Anthropic `stop_sequences`) cuts the sampled text before the first stop string; only
-  the tokens before it enter the trajectory (a token straddling its start is dropped too).
-- `logprobs` / `top_logprobs`: the log-prob of every sampled token (final stop token included),
-  equal to the trajectory's; `top_logprobs` lists the sampled token alone (no alternatives).
-- `stream: true` gets the same reply as server-sent events (`molt_core.chat.stream`).
-
-Images (VL policies): base64 data URIs in OpenAI `image_url` parts and Anthropic base64 `image`
-blocks become the template's image placeholders and ride with the trajectory
-(`molt_core.multimodal`); remote URLs are a 400.
-
-Sampling is the run's (`sampling` given to `open_session`): a request's `temperature`, `top_p`,
-`top_k`, ... that differ from it are a 400 naming the recipe key (`molt_core.chat.api`). A request's
-`max_tokens` (`max_completion_tokens`, `max_output_tokens`) only caps `max_new_tokens`. With
-`tools`, Hermes/Qwen `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks in the reply
-become OpenAI `tool_calls` / Responses `function_call` items / Anthropic `tool_use` blocks; the
-sampled tokens stay as sampled. A block that does not parse stays in the text, flagged
-(`finish_reason` / `stop_reason` `"malformed_tool_call"`, `info["malformed_tool_calls"]`). Tool
-results are rendered by the template and captured masked.
+- An identical retried request (`stream` aside) returns the cached reply. The previous request's
+  messages with anything else changed sample afresh, and the new reply *replaces* the previous
+  one in the trajectory (`_rollback`, `info["resampled"]`).
+- `stop` cuts the sampled text before the first stop string; only the tokens before it enter the
+  trajectory (a token straddling its start is dropped too). Tool calls are parsed from the reply
+  text (`parse_tool_calls`); the sampled tokens stay as sampled. Images: base64 data URIs become
+  the template's image placeholders (`molt_core.multimodal`). Streaming: `molt_core.chat.stream`.
 
 Limits: a body over the session's `max_body_bytes` is a 413, JSON nested deeper than 64 levels a
 400; large bodies are parsed, rendered and tokenized off the event loop. The server binds
