@@ -24,35 +24,26 @@ __all__ = ["hookimpl", "hookspec"]
 
 @hookspec
 def molt_estimators() -> dict[str, Callable]:
-    """Register advantage estimators.
-
-    Returns `{name: fn}` with `fn(rewards[R], group_index[R], **kwargs) -> advantages[R]` (float
-    tensors; `group_index` long). An estimator with `fn.needs_values = True` works per token with
-    the critic's values instead: `fn(rewards[B, T], values[B, T], mask[B, T], group_index[B],
-    **kwargs) -> (advantages[B, T], returns[B, T])` (see `molt_core.advantage`). Keyword arguments
-    come from `algorithm.estimator_args`.
+    """Register advantage estimators: `{name: fn}`, `fn(rewards[R], group_index[R], **kwargs) ->
+    advantages[R]` (`group_index` long). With `fn.needs_values = True`, per token with the critic's
+    values: `fn(rewards[B, T], values[B, T], mask[B, T], group_index[B], **kwargs) ->
+    (advantages[B, T], returns[B, T])` (`molt_core.advantage`). kwargs: `algorithm.estimator_args`.
     """
 
 
 @hookspec
 def molt_losses() -> dict[str, Callable]:
-    """Register policy losses.
-
-    Returns `{name: fn}` with `fn(logprobs, behavior_logprobs, advantages, mask, **kwargs) ->
-    (per_token_loss, metrics)`, all tensors [B, T]. The trainer aggregates `per_token_loss` with
-    `algorithm.loss_agg` over the whole optimizer step; `metrics` values are [B, T] (token-mean
-    over `mask`) or scalars. Keyword arguments come from `algorithm.loss_args`.
-    """
+    """Register policy losses: `{name: fn}`, `fn(logprobs, behavior_logprobs, advantages, mask,
+    **kwargs) -> (per_token_loss, metrics)`, all [B, T], aggregated with `algorithm.loss_agg` over
+    the optimizer step; `metrics` values are [B, T] (token-mean over `mask`) or scalars. kwargs:
+    `algorithm.loss_args`."""
 
 
 @hookspec
 def molt_rewards() -> dict[str, Callable]:
-    """Register reward functions (used by environments and agents, not by the trainer).
-
-    Returns `{name: fn}` with `fn(response: str, answer: str, **kwargs) -> (reward: float, info:
-    dict)`; `info` says why (e.g. `{"reason": "timeout"}`). A reward function never raises on bad
-    model output: it returns 0.0 with a reason.
-    """
+    """Register reward functions (for environments and agents): `{name: fn}`, `fn(response: str,
+    answer: str, **kwargs) -> (reward: float, info: dict)`; on bad model output it never raises
+    but returns 0.0 with `info["reason"]` (e.g. `"timeout"`)."""
 
 
 @hookspec
@@ -84,36 +75,25 @@ def molt_rollout_schemes() -> dict[str, Callable]:
 
 @hookspec
 def molt_config_sections() -> dict[str, type]:
-    """Register plugin config sections: `{section: dataclass}`.
-
-    The YAML mapping under `section` is built into the dataclass (unknown keys are errors) and
-    is available as `cfg.plugins[section]`.
-    """
+    """Register plugin config sections: `{section: dataclass}`, the YAML mapping under `section`
+    built into it (unknown keys are errors) as `cfg.plugins[section]`."""
 
 
 @hookspec
 def molt_configure(cfg: Config, plugins: Plugins) -> None:
-    """Called once after the config is loaded and before any process starts (take either
-    argument or both).
-
-    Raise `molt_core.config.ConfigError` to reject a combination your plugin cannot run with;
-    `plugins.check_args(where, kind, name, kwargs)` checks arguments your plugin passes on to
-    another registered entry (e.g. an agent's env).
-    """
+    """Once the config is loaded, before any process starts (take either argument or both): raise
+    `ConfigError` to reject a combination; `plugins.check_args(where, kind, name, kwargs)` checks
+    arguments your plugin passes on to another registered entry (e.g. an agent's env)."""
 
 
 @hookspec
 def molt_filter_batch(groups: list[list[Trajectory]], step: int,
                       refill: Callable[[int], list[list[Trajectory]]]
                       ) -> list[list[Trajectory]] | None:
-    """Filter or reshape the groups of a training batch before advantages are computed.
-
-    `refill(n)` returns `n` more complete groups (blocking; the rollout scheme's `refill` when it
-    has one, e.g. from the streaming pool), so a filter can keep the batch
-    size (e.g. DAPO dynamic sampling). Return the new list of groups, or None to leave it
-    unchanged; an empty list skips the step's update (counted as `trainer/empty_batches`).
-    Implementations are chained: each receives the previous one's result.
-    """
+    """Filter or reshape a batch's groups before advantages; chained (each gets the previous
+    result). `refill(n)`: `n` more complete groups (blocking; the scheme's `refill` if it has one),
+    so a filter can keep the batch size (DAPO dynamic sampling). Returns the new groups, or None
+    for unchanged; an empty list skips the step's update (`trainer/empty_batches`)."""
 
 
 @hookspec
@@ -123,12 +103,9 @@ def molt_on_step_end(step: int, metrics: dict[str, Any]) -> None:
 
 @hookspec
 def molt_chat_agents() -> dict[str, type]:
-    """Register chat agents for the `chat` agent (plugin `molt-agent-chat`).
-
-    Returns `{name: cls}`: a `molt_chat.ChatAgent` subclass with `async run(ctx) -> float |
-    list[float]`; `agent.args.agent` picks it and `agent.args.agent_args` are its constructor
-    arguments. One instance per rollout.
-    """
+    """Register chat agents of the `chat` agent: `{name: cls}`, a `molt_chat.ChatAgent` with
+    `async run(ctx) -> float | list[float]`, one instance per rollout, picked by
+    `agent.args.agent` and built with `agent.args.agent_args`."""
 
 
 @hookspec
@@ -140,12 +117,9 @@ def molt_metric_sinks() -> dict[str, Callable]:
 
 @hookspec
 def molt_state_dict() -> dict[str, Any] | None:
-    """State of a stateful plugin to keep in checkpoints (e.g. a filter's carried-over groups).
-
-    Return plain data (dicts, lists, numbers, strings, tensors; `torch.load(weights_only=True)`
-    must read it back), or None for nothing. Saved per plugin (by plugin name) with every
-    checkpoint and handed back to the same plugin's `molt_load_state_dict` on `--resume`.
-    """
+    """A stateful plugin's state for checkpoints (e.g. a filter's carried-over groups): plain data
+    that `torch.load(weights_only=True)` reads back, or None. Saved per plugin name with every
+    checkpoint, handed back to its `molt_load_state_dict` on `--resume`."""
 
 
 @hookspec
