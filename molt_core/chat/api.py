@@ -24,9 +24,7 @@ __all__ = ["Reply", "RequestError", "anthropic_messages", "anthropic_response", 
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 MAX_DEPTH = 64
-# Request key -> run sampling key (recipe key `sampling.<key>`).
-_REPRODUCIBLE = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                 "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
+_REPRODUCIBLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")   # sampling.*
 _UNSUPPORTED = ("frequency_penalty", "presence_penalty", "logit_bias")
 
 
@@ -74,16 +72,15 @@ def check_depth(body: Any) -> None:
 
 def check_sampling(body: dict, sampling: dict) -> None:
     """A sampling parameter the run cannot honour is a 400 naming the recipe key."""
-    for key, run_key in _REPRODUCIBLE.items():
+    for key in _REPRODUCIBLE:
         v = body.get(key)
-        if v is None or run_key not in sampling:
+        if v is None or key not in sampling:
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or \
-                abs(v - sampling[run_key]) > 1e-6:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or abs(v - sampling[key]) > 1e-6:
             raise RequestError(400, f"'{key}'={v!r} differs from the run's sampling "
-                                    f"(sampling.{run_key}={sampling[run_key]}): behavior log-probs "
+                                    f"(sampling.{key}={sampling[key]}): behavior log-probs "
                                     f"must come from the run's sampling; drop '{key}' from the "
-                                    f"request or set sampling.{run_key} in the recipe")
+                                    f"request or set sampling.{key} in the recipe")
     for key in _UNSUPPORTED:
         if body.get(key):
             raise RequestError(400, f"'{key}' is not supported (the run's sampling is fixed by "

@@ -1,5 +1,4 @@
-"""The engine client: batches concurrent requests into one RPC per engine, spreads them by load,
-times them out, aborts what a rollout gave up on, and (with `reissue`) re-sends a dead engine's."""
+"""The engine client: batched RPCs, load spreading, timeouts, aborts, re-sent requests."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Engine restarts: a dead engine actor is replaced and loaded with the trainer's weights.
-
-Rollout schemes push weights through `EngineRestarts.push_weights` (the trainer hands it to the
-scheme as its `policy`): a push that meets a dead engine replaces it and is redone to every
-engine, under the conditions the scheme pushed under (requests held, engines paused).
-"""
+"""Engine restarts: a dead engine actor is replaced and loaded with the trainer's weights. The
+trainer hands `EngineRestarts` to the scheme as its `policy`, so a push that meets a dead engine
+is redone under the conditions the scheme pushed under (requests held, engines paused)."""
 
 from __future__ import annotations
 
@@ -40,8 +37,6 @@ class EngineRestarts:
         return getattr(self.policy, name)
 
     def push_weights(self, engines: list[Any], version: int) -> Any:
-        """`policy.push_weights(engines, version)`; if it met a dead engine, that one is replaced
-        and the push redone to every engine."""
         from molt_core.weight_sync import WeightSyncError   # imports torch: not before prestart
         try:
             return self.policy.push_weights(engines, version)

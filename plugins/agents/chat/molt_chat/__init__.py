@@ -1,16 +1,7 @@
-"""Chat agents: ordinary programs that talk to the policy through the stock OpenAI/Anthropic SDKs.
-
-A `ChatAgent` owns its loop: `run(ctx)` calls `openai.AsyncOpenAI(base_url=ctx.base_url,
-api_key=ctx.api_key)` (or `anthropic.AsyncAnthropic(base_url=ctx.anthropic_base_url, ...)`) as
-often as it likes and returns a reward, or one reward per turn. The `chat` agent factory opens a
-session on the process's loopback chat server (`molt_core.chat.server`), runs the agent, closes
-the session and returns its token-exact `Trajectory`.
-
-Rewards: a float is the rollout's reward. A list is per-turn: `traj.turn_rewards` keeps it
-(`traj.info["turn_spans"]` holds each model call's token span, so a list with one reward per model
-call lines up with the spans), and `traj.reward` is its sum — what estimators without per-turn
-support use.
-"""
+"""Chat agents: ordinary programs that talk to the policy through the stock OpenAI/Anthropic SDKs
+(docs/agents.md). The `chat` agent opens a session on the loopback chat server
+(`molt_core.chat.server`), runs a `ChatAgent`, closes the session and returns its token-exact
+`Trajectory`; a list of rewards is per model call (`turn_rewards`, `reward` its sum)."""
 
 from __future__ import annotations
 
