@@ -1,20 +1,12 @@
-"""DAPO (Yu et al., 2025): clip-higher, dynamic sampling, overlong reward shaping, token-mean.
+"""DAPO (Yu et al., 2025): clip-higher, dynamic sampling, overlong reward shaping, token-mean
+(docs/algorithms.md). Estimator `dapo`: GRPO's; loss `dapo`: PPO-clip, eps_low 0.2 / eps_high 0.28.
 
-- Advantage: GRPO's group-normalised reward (`dapo` estimator).
-- Loss: PPO-clip with a wider upper bound, eps_low 0.2 / eps_high 0.28 (`dapo` loss), so
-  unlikely tokens can grow (against entropy collapse). Aggregate with
-  `algorithm.loss_agg: token-mean` (every token weighs the same, long answers are not diluted).
-- Dynamic sampling (`molt_filter_batch`): a group whose rewards are all equal has zero advantage
-  and no gradient; it is dropped and replaced by new groups from `refill`, so the batch keeps its
-  size. On by default when `algorithm.estimator` is `dapo` (`dapo.dynamic_sampling`).
-- Overlong shaping (`molt_filter_batch`, before the variance check): with response length L,
-  r += factor * r_len, r_len = 0 if L <= Lmax - Lcache, (Lmax - Lcache - L) / Lcache inside the
-  buffer, -1 beyond Lmax. Off unless `dapo.overlong_buffer` (Lcache) > 0; Lmax defaults to
-  `sampling.max_new_tokens`. It runs in the batch filter because only trajectories know lengths
-  (estimators receive rewards only).
-
-Options live in the recipe's `dapo:` section (`DapoConfig`); counters reach the step metrics as
-`dapo/*`.
+Both batch-filter steps run in `molt_filter_batch` because only trajectories know lengths
+(estimators receive rewards only): overlong shaping first (`dapo.overlong_buffer` = Lcache > 0),
+r += factor * r_len, r_len = 0 if L <= Lmax - Lcache, (Lmax - Lcache - L) / Lcache inside the
+buffer, -1 beyond Lmax; then dynamic sampling (on with estimator `dapo`): a group whose rewards
+are all equal has no gradient and is replaced by groups from `refill`. Options: the recipe's
+`dapo:` section (`DapoConfig`); counters: `dapo/*`.
 """
 
 from __future__ import annotations
