@@ -75,10 +75,8 @@ class Trajectory:
     turn_rewards: list[float] | None = None
     truncated: bool = False
     info: dict[str, Any] = field(default_factory=dict)
-    # MoE routing replay: per token [n_moe_layers][top_k] expert ids as the engine routed it when
-    # it was last fed to the model (prompt and env tokens too, via the next completion's
-    # `prompt_routed_experts`); -1 rows where none was recorded (the final token); None until a
-    # completion carrying routing is added.
+    # MoE: per token as `Completion`'s (prompt tokens too, from the next completion's
+    # `prompt_routed_experts`); None until a completion carrying routing is added.
     routed_experts: list[list[list[int]]] | None = None
     images: list[ImageInput] = field(default_factory=list)   # in order of their placeholders
 
@@ -99,12 +97,11 @@ class Trajectory:
 
     def add_completion(self, c: Completion) -> None:
         """Append the engine's sampled tokens as trainable, with their behavior log-probs."""
-        if c.routed_experts is not None and c.routed_experts:
+        if c.routed_experts:
             if self.routed_experts is None:
                 self.routed_experts = [_sentinel(c.routed_experts[0])] * len(self.token_ids)
             if c.prompt_routed_experts:
-                # The prompt was our tail (a segment's tokens so far): the routing the engine's
-                # KV cache for it was built with, replacing any recorded when sampled earlier.
+                # the routing the engine's KV cache for our tail was built with wins
                 p = len(c.prompt_routed_experts)
                 if p > len(self.token_ids):
                     raise InvariantError(f"completion carries routing for {p} prompt tokens but "

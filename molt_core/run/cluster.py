@@ -1,9 +1,8 @@
 """Ray placement: start (or join) Ray, start trainer ranks and rollout engines, clean up.
 
 Each trainer rank and each engine is one Ray actor (one CPU rank reserving nothing: in the
-driver's process, `Policy`); what it reserves (GPUs, CPUs, custom
-resources that pin roles to nodes) comes from the config (`actor_options`) and is checked against
-the cluster before anything starts (`check_resources`).
+driver's process, `Policy`); what it reserves (GPUs, CPUs, custom resources that pin roles to
+nodes) comes from the config (`actor_options`), checked before anything starts (`check_resources`).
 """
 
 from __future__ import annotations
@@ -24,9 +23,8 @@ import structlog
 
 from molt_core.config import Config, ConfigError, load_config
 
-__all__ = ["actor_options", "check_resources",
-           "engine_kwargs", "init_ray", "num_threads", "prestart", "rank_placement",
-           "reserved", "spawn_engine", "start"]
+__all__ = ["actor_options", "check_resources", "engine_kwargs", "init_ray", "num_threads",
+           "prestart", "rank_placement", "reserved", "spawn_engine", "start"]
 
 log = structlog.get_logger("molt.cluster")
 _early: dict[str, threading.Event] = {}     # "up": set once prestart's ray.init has returned
