@@ -1,19 +1,12 @@
 """PPO with a learned critic and GAE (Schulman et al., 2017; GAE: Schulman et al., 2016).
 
-A per-token estimator (`needs_values`): before the update the trainer computes the critic's
-values V(s_t) of the state before each trainable token, puts the rollout's reward on its last
-trainable token, and calls `ppo_advantages`. With the trainable tokens of a row t_1 < ... < t_n
-(prompt, tool and padding positions are skipped, not time steps):
+A per-token estimator (`needs_values`; docs/algorithms.md): over the trainable tokens of a row
+t_1 < ... < t_n (other positions are not time steps), the reward on the last one,
   delta_k = r_k + gamma V(s_{k+1}) - V(s_k)          (V(s_{n+1}) = 0: the episode ends)
   A_k     = delta_k + gamma lam A_{k+1}              (GAE)
   R_k     = A_k + V(s_k)                             (the critic's regression target)
-Advantages are then whitened over the batch's trainable tokens (`whiten`). The policy loss is
-`ppo_clip` (from `molt-estimator-grpo`); the trainer adds the critic's clipped value loss
-(`algorithm.terms.value_coef`, `value_clip`, `value_lr`; see `molt_core.algos.value_loss`).
-
-The critic is a Linear head on the policy's final hidden states (detached), living next to the
-policy on each trainer rank: one forward gives log-probs and values, and the value loss never
-moves the policy, so the policy objective is exactly PPO's.
+then advantages are whitened over the batch's trainable tokens. The policy loss is `ppo_clip`;
+the trainer adds the critic's clipped value loss (`molt_core.algos.value_loss`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""Asynchronous rollout: generation continues while the trainer trains.
+"""Asynchronous rollout: generation continues while the trainer trains (docs/plugins.md).
 
-The generator's streaming pool keeps up to `rollout.max_inflight_groups` groups running or
-finished-and-waiting; `next_batch` takes `rollout.groups_per_step` finished groups as soon as they
-exist. After each optimizer step the new weights are pushed at a request boundary: requests
-already sent finish under the old weights, new ones wait for the push (so one response never
-mixes versions; see `molt-rollout-partial` for switching inside a response). Groups with
-trainable tokens more than `rollout.max_staleness` versions older than the weights being trained
-are dropped (`rollout.stale: drop`) or have those tokens masked (`mask`), counted under
-`rollout/dropped/stale_group` / `rollout/masked/stale_tokens`. Unset, the bound is the pool's
+`next_batch` takes finished groups from the generator's streaming pool within
+`rollout.max_staleness`; weights are pushed at a request boundary, so one response never mixes
+versions (`molt-rollout-partial` switches inside one). Unset, the staleness bound is the pool's
 depth in batches, ceil(pool / groups_per_step): a group waits at most that many steps in the
 normal flow, so only the long tail is dropped; 0 is rejected (every pooled group would be).
-Off-policy tokens need an importance-sampling correction (`algorithm.correction`), required at
-config time.
 """
 
 from __future__ import annotations
