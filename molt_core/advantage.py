@@ -1,13 +1,9 @@
 """A step's training rows and their advantages: the seam between estimators and the trainer.
 
-Two estimator contracts (see `hookspecs.molt_estimators`):
-- per rollout (default): `fn(rewards[R], group_index[R], **kw) -> advantages[R]`, broadcast to the
-  rollout's tokens;
-- per token, declared by `fn.needs_values = True` (PPO): the trainer asks the policy's critic for
-  values [B, T] before the update and calls `fn(token_rewards, values, mask, group_index, **kw) ->
-  (advantages, returns)`, all [B, T] over training rows; `returns` train the critic.
-Token rewards: a row's rollout reward sits at its last trainable token (every segment of a
-multi-segment rollout ends with it, as every estimator broadcasts it to each segment).
+Per-rollout advantages (`hookspecs.molt_estimators`) are broadcast to the rollout's tokens; a
+per-token estimator gets the critic's values [B, T] from before the update, and its `returns`
+train the critic. Token rewards: a row's rollout reward sits at its last trainable token (every
+segment of a multi-segment rollout ends with it, as every estimator broadcasts it to each segment).
 `algorithm.terms.kl_in: reward` subtracts kl_coef * kl_t (behavior vs reference log-probs) from
 the token rewards; a per-rollout estimator sees the rollout's reward minus its summed penalty.
 """
