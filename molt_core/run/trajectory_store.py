@@ -1,10 +1,8 @@
 """Saved trajectories: `RUN_DIR/trajectories/step_NNNNNN.parquet` holds the steps saved within
-`FLUSH_S` seconds from step NNNNNN on, one row per rollout. Columns (per-token lists align with
-`token_ids`): step, group_id, rollout_id, task, reward, turn_rewards, truncated, token_ids,
-loss_mask, behavior_logprobs, trainer_logprobs (the trainer's pre-update log-probs it trained
-with; empty when not recorded), versions, segments (start of each), segment_text (decoded),
-images (placeholder span, grid, `ref`: `images/<ref>.safetensors` holds the pixel values), info
-(JSON). Open with pandas/pyarrow directly, or `molt_tools.view.read_trajectories`.
+`FLUSH_S` seconds from step NNNNNN on, one `SCHEMA` row per rollout (per-token lists align with
+`token_ids`; trainer_logprobs: the pre-update log-probs it trained with, empty when not recorded;
+an image's `ref`: `images/<ref>.safetensors` holds its pixel values). Open with pandas/pyarrow
+directly, or `molt_tools.view.read_trajectories`.
 """
 
 from __future__ import annotations
