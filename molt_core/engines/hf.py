@@ -1,15 +1,11 @@
 """Embedded rollout engine: an HF causal LM and our own batched KV-cache decode loop.
 
 Our own loop (not `model.generate`) so that decoding can pause between steps, weights can be
-swapped under in-flight requests, and every sampled token is stamped with the weight version that
-sampled it. Works as a plain object inside asyncio and as a Ray async actor
-(`ray.remote(HFEngine)`).
-
-Requests wait in a queue; a background task takes a wave of requests with identical sampling
-parameters, left-pads and prefills them, then decodes step by step, yielding to the event loop
-between steps. Forward passes run on the event-loop thread, so `pause`/`update_weights` always
-land between two steps. After a weight update the wave's KV cache is recomputed (re-prefill of
-prompt + tokens so far) so each token's log-prob is exactly that of the weights that sampled it.
+swapped under in-flight requests, and every token is stamped with the weight version that sampled
+it. A background task takes a wave of requests with identical sampling, left-pads and prefills
+them, then decodes step by step on the event-loop thread, so `pause`/`update_weights` land
+between two steps. After a weight update the wave is re-prefilled (prompt + tokens so far), so
+each token's log-prob is exactly that of the weights that sampled it.
 
 VL models (`molt_core.multimodal`): a request may carry images; the prefill feeds their patches
 with explicit mRoPE position ids, decode steps continue from the last position. Vision special

@@ -2,21 +2,18 @@
 
 The `AsyncLLM` client lives in this object's process (a Ray actor in production); vLLM spawns its
 engine-core and worker processes from there. Start and every control call have timeouts. Every
-sampling knob is sent explicitly and the checkpoint's `generation_config` is ignored; EOS too is
-explicit (`ignore_eos=True` plus `engines.default_stop_ids`): both engines stop on the same tokens.
+sampling knob and EOS are explicit (`generation_config` ignored, `ignore_eos=True` plus
+`engines.default_stop_ids`): both engines stop on the same tokens.
 
-Log-probs: the engine runs with `logprobs_mode="processed_logprobs"`, so the log-prob of each
-sampled token is taken after repetition penalty and temperature, as HFEngine records it. vLLM's
-"processed" also includes top-k/top-p/min-p masking (renormalised over the kept tokens), whereas
-HFEngine records the log-prob before those filters: with any of them on, the two engines'
-behavior log-probs differ by the log of the kept mass (the trainer recomputes without filters).
+Log-probs: `logprobs_mode="processed_logprobs"` takes them after repetition penalty and
+temperature, as HFEngine does; vLLM's also include top-k/top-p/min-p masking (renormalised), so
+with those on the engines' behavior log-probs differ by the log of the kept mass.
 
-Versions: vLLM stamps each engine step's outputs with the engine core's weight-version label and
-reports contiguous spans per request (`CompletionOutput.weight_versions`). We set that label to
-`str(version)` at `finish_weight_update`, while the scheduler is paused, so every token carries
-the version whose weights sampled it, also across a partial-rollout update (requests kept in
-flight by `pause(mode="keep")` and preempted at the update, so their KV cache is recomputed with
-the new weights on resume, exactly as HFEngine re-prefills).
+Versions: vLLM stamps each step's outputs with the engine core's weight-version label (spans in
+`CompletionOutput.weight_versions`), set to `str(version)` at `finish_weight_update` while the
+scheduler is paused: every token carries the version whose weights sampled it, also across a
+partial-rollout update (in-flight requests are preempted then, their KV cache recomputed with the
+new weights on resume, as HFEngine re-prefills).
 
 Weight updates: each bucket goes into one of two shared-memory slots (`weight_sync.ShmChannel`)
 that `MoltWorkerExtension` (engines/vllm_worker.py, run on every worker by `collective_rpc`, which
