@@ -2,9 +2,7 @@
 -> template messages, and replies -> response objects.
 
 Every malformed body is a `RequestError` (400) naming the field (`messages[0].content[1]`), never
-a server traceback. Sampling parameters a request may carry are checked against the run's: the
-behavior log-probs must come from the run's sampling, so a differing `temperature`, `top_p`, ...
-is a 400 naming the recipe key, not silently ignored.
+a server traceback; so is sampling that differs from the run's (`check_sampling`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """`stream: true` for the chat server: a finished reply as OpenAI chunks / Anthropic events (SSE).
 
 The reply is generated whole, exactly as without streaming (same tokens, same trajectory), then
-sent as the server-sent events the stock SDKs parse: OpenAI `chat.completion.chunk`s ending in
-`data: [DONE]`; Anthropic `message_start`, per block `content_block_start/delta/stop`
-(`text_delta`, or one `input_json_delta` with a tool call's input), `message_delta`,
-`message_stop`; Responses `response.created`, per output item `response.output_item.added`, text /
-arguments deltas and `.done` events, `response.completed`. Built from the non-streaming response
-dict, so both paths stay identical.
+sent as the server-sent events the stock SDKs parse, built from the non-streaming response dict
+so both paths stay identical.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Runs agents against the rollout engines and emits complete prompt groups.
 
-The generator owns one asyncio loop (on a background thread) where every rollout of every group
-runs concurrently; engines batch the concurrent requests. It works in token space only: agents
-receive `Completion`s (ids, behavior log-probs, versions) and build `Trajectory`s from them.
-
-Two ways to get groups: `generate(n)` runs exactly n fresh groups and waits for them (the sync
-scheme), and the streaming pool (`start_pool(k)` then `take(n)`) keeps up to k groups running or
-finished-and-waiting, hands out finished groups as soon as n exist and starts new ones in their
-place, so the engines never drain between training steps (the async and partial schemes).
+Every rollout of every group runs concurrently on the generator's asyncio loop (a background
+thread), in token space: agents build `Trajectory`s from the engines' `Completion`s. `generate(n)`
+runs n fresh groups and waits for them (the sync scheme); the streaming pool (`start_pool(k)`,
+`take(n)`) keeps up to k groups running or finished-and-waiting and starts new ones in place of
+those taken, so the engines never drain between training steps (the async and partial schemes).
 """
 
 from __future__ import annotations

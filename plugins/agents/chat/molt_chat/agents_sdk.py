@@ -1,8 +1,7 @@
 """The calculator task with a stock OpenAI Agents SDK `Agent` (Responses API, a function tool).
 
-Nothing Molt-specific beyond the client: the Agent talks to `ctx.base_url` through an
-`OpenAIResponsesModel`, and the chat server captures every turn token-exactly. A reply cut at
-`max_new_tokens` is a Responses `incomplete` status, which the SDK raises on: the rollout then
+Nothing Molt-specific beyond the client (`OpenAIResponsesModel` on `ctx.base_url`). A reply cut
+at `max_new_tokens` is a Responses `incomplete` status, which the SDK raises on: the rollout then
 scores 0 (its tokens are still trained on).
 """
 

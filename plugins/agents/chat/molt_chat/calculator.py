@@ -1,16 +1,12 @@
 """Example chat agent: answer "What is a + b?", where calling the calculator tool pays.
 
-Turn 1: the policy either answers directly or calls `calculator` (Hermes `<tool_call>` JSON,
-parsed by the server into an OpenAI `tool_calls` entry / Anthropic `tool_use` block). On a call,
-the agent evaluates the expression, sends the result back as a tool message (masked), and the
-policy answers in turn 2. Reward: 1 if the final answer's first number is a + b, else 0, given
-per turn (`[answer]` for a direct answer, `[0, answer]` after a call).
+Turn 1: the policy answers directly or calls `calculator`; on a call the agent sends the result
+back as a tool message (masked) and the policy answers in turn 2. Reward: 1 if the final answer's
+first number is a + b, else 0, per turn (`[answer]`, or `[0, answer]` after a call).
 
-`molt_tools.calculator_model.build_model` makes the CPU recipe's policy: a tiny random-init model
-taught both behaviours by a short SFT: it calls the calculator (correctly) on a fifth of the
-questions and guesses a random sum on the rest. A guess is right about one time in 15, the
-calculator nearly always: RL has to learn *when to use the tool*, the decision researchers train
-agents for.
+The CPU recipe's policy (`molt_tools.calculator_model.build_model`) is taught both behaviours by a
+short SFT: it calls the calculator on a fifth of the questions and guesses the rest. A guess is
+right about one time in 15, the calculator nearly always: RL has to learn *when to use the tool*.
 """
 
 from __future__ import annotations
