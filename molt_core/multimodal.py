@@ -1,12 +1,10 @@
 """Multimodal (Qwen3-VL) policies: images ride with the trajectory as image-processor patches.
 
-A prompt holds each image as a run of placeholder tokens (`<|image_pad|>` x n); the image travels
-beside the tokens as an `ImageInput` (patches, grid, where its run starts). Engine and trainer feed
-the same patches and compute the same mRoPE position ids (`model_inputs`, from the model's own
-`get_rope_index`), always passed explicitly: HF's cached `rope_deltas` are never used, so a KV-cache
-decode step is simply the last position + 1. Vision special tokens are never sampled: engine and
-trainer both mask their logits (`vision_token_ids`), so the two compute the same distribution and
-placeholders only ever come from prompts.
+A prompt holds each image as a run of placeholder tokens (`<|image_pad|>` x n), the image beside
+them as an `ImageInput`. Engine and trainer feed the same patches and the same explicit mRoPE
+position ids (`model_inputs`, the model's own `get_rope_index`; HF's cached `rope_deltas` are never
+used, so a decode step is the last position + 1), and both mask vision special tokens from
+sampling (`vision_token_ids`): the same distribution, and placeholders only ever from prompts.
 """
 
 from __future__ import annotations

@@ -4,9 +4,8 @@ Eval prompt i is task `EVAL_TASKS + i`, far from the training tasks (`seed * 1_0
 id`); envs that can also split their problems take it from `eval.agent_args` (e.g. the
 arithmetic env's `split: test`). Two passes over the same prompts: greedy (top_k 1), one rollout
 each, and sampled with the recipe's sampling settings, `eval.k` rollouts each. A rollout counts
-as solved when its reward >= `eval.success`. Metrics: `eval/greedy/pass@1`,
-`eval/greedy/reward_mean`, `eval/sampled/pass@1` (mean over samples), `eval/sampled/pass@k`,
-`eval/sampled/reward_mean`, `eval/time_s`.
+as solved when its reward >= `eval.success`. Metrics: `eval/{greedy,sampled}/pass@1` (sampled:
+mean over samples), `eval/{greedy,sampled}/reward_mean`, `eval/sampled/pass@k`, `eval/time_s`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Gym-style agents: an async `Env` and the runner that owns the generation loop.
 
-The runner renders the conversation with the model's chat template, generates in token space,
-appends the sampled tokens unchanged (trainable) and tokenizes only the text the template adds
-after them (the environment's reply; masked). Sampled text is never re-tokenized. Observations
-may hold images (content parts {"type": "image", "image": PIL image or HxWx3 uint8 array}, VL
-policies): each becomes its run of placeholder tokens and rides with the trajectory.
+The runner appends the sampled tokens unchanged (trainable) and tokenizes only the text the chat
+template adds after them (the environment's reply; masked), never re-tokenizing sampled text.
+Observations may hold images (`multimodal.images_of`), which ride with the trajectory.
 """
 
 from __future__ import annotations
