@@ -1,22 +1,19 @@
 """Sandboxed Python code-execution reward: run the response's code followed by the answer's tests.
 
-The program runs in a sandbox built from what the OS offers (`isolation()` says which layers hold
-here; `info["isolation"]` lists them per call):
-- `pid_ns`: its own PID namespace (`unshare --pid --fork --kill-child --mount-proc`): it cannot
-  see or signal the caller, and every descendant (a `setsid` grandchild too) dies with it;
-- `net_ns`: a fresh network namespace (only a down loopback);
-- `mount_ns` (as root): the filesystem is read-only except its work dir, and home directories
-  (`/root`, `/home`, `$HOME`) are empty tmpfs (the interpreter's prefix is bound back in);
-- `own_uid` (as root): it runs as a fresh unprivileged uid, so it can neither undo those mounts,
-  nor signal or read other users' processes and private files; RLIMIT_NPROC then counts only it;
-- `cgroup` (as root, cgroup v1 `pids` and `memory` controllers): a process-count limit and a
-  memory limit on all its processes together;
+The sandbox is built from what the OS offers (`isolation()`; `info["isolation"]` per call):
+- `pid_ns`: its own PID namespace: it cannot see or signal the caller, and every descendant (a
+  `setsid` grandchild too) dies with it; `net_ns`: a fresh network namespace (a down loopback);
+- `mount_ns` (as root): the filesystem is read-only but its work dir, home directories (`/root`,
+  `/home`, `$HOME`) are empty tmpfs (the interpreter's prefix is bound back in);
+- `own_uid` (as root): a fresh unprivileged uid, so it can neither undo those mounts nor signal or
+  read other users' processes and private files; RLIMIT_NPROC then counts only it;
+- `cgroup` (as root, cgroup v1 `pids` + `memory`): process and memory limits on all of it together;
 - always: rlimits (address space per process, CPU seconds, file size, no core dumps), a wall-clock
   timeout, an empty environment, `python -I`, a temp work dir deleted afterwards.
 
-Results: a harness runs the code, then the tests statement by statement, and reports over a pipe
-it inherits (with a nonce read from another pipe); the reward is 1.0 only if it reported
-completing every test. Exiting early (`sys.exit(0)`, `os._exit(0)`) or killing itself is a failure.
+A harness runs the code, then the tests statement by statement, and reports over an inherited pipe
+(with a nonce read from another): 1.0 only if it reported completing every test; exiting early
+(`sys.exit(0)`, `os._exit(0)`) or killing itself fails.
 
 Not protected against: a program that reads the nonce from the harness's frames or memory (they
 share the interpreter: `sys._getframe(1).f_locals`, gc) could forge a pass; without root, the
