@@ -145,8 +145,6 @@ class VLLMEngine:
                        "weight_path": ""}         # "direct" or "load_weights" (worker side)
         self._start(start_timeout_s)
 
-    # --- lifecycle -------------------------------------------------------------------------
-
     def _start(self, timeout_s: float) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -179,8 +177,6 @@ class VLLMEngine:
             return await asyncio.wait_for(coro, timeout_s)
         except asyncio.TimeoutError:
             raise TimeoutError(f"vLLM engine: {what} did not finish within {timeout_s}s") from None
-
-    # --- generation ------------------------------------------------------------------------
 
     def _sampling_params(self, sampling: dict) -> Any:
         from vllm import SamplingParams
@@ -258,8 +254,6 @@ class VLLMEngine:
         self._paused = False
         if self._update_version is None:
             await self._call(self._llm.resume_generation(), "resume", self.update_timeout_s)
-
-    # --- weight updates --------------------------------------------------------------------
 
     async def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]],
                              version: int) -> None:

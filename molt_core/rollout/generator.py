@@ -130,7 +130,6 @@ class Generator:
             out += [g for g in groups if g is not None]
         return out
 
-    # -- streaming pool ------------------------------------------------------------------------
     def start_pool(self, max_groups: int) -> None:
         """Keep up to `max_groups` groups running or finished-and-waiting from now on."""
         self.submit(self._start_pool(max_groups)).result()
@@ -212,7 +211,6 @@ class Generator:
         await asyncio.gather(*self._inflight, return_exceptions=True)
         await asyncio.gather(*self.client.aborts, return_exceptions=True)
 
-    # -- groups and rollouts ------------------------------------------------------------------
     async def run_group(self, group_id: int) -> list[Trajectory] | None:
         n = self.cfg.rollout.group_size
         self.counters["rollout/started_groups"] += 1
