@@ -1,9 +1,6 @@
-"""What plugins hand to the core, as `typing.Protocol`s, and what the core hands to agents.
-
-Each Protocol's docstrings are its contract (`tests/test_contracts.py` holds every shipped
-implementation to its names, parameters and async-ness). Tensors are CPU tensors; [B, T] is a
-`collate` batch, one row per trajectory segment (`molt_core.trajectory`).
-"""
+"""What plugins hand to the core, as `typing.Protocol`s, and what the core hands to agents; the
+long form is docs/plugins.md, and `tests/test_contracts.py` holds every shipped implementation to
+these names, parameters and async-ness. Tensors are CPU tensors; [B, T] is a `collate` batch."""
 
 from __future__ import annotations
 
@@ -32,8 +29,7 @@ class RolloutContext:
     rollout_id: int
     task: int                                   # task index: env seed or dataset row
     sampling: dict                              # explicit sampling params for the engine
-    generate: Callable[..., Awaitable[Completion]]   # generate(prompt_ids, sampling=None,
-                                                     #          images=None)
+    generate: Callable[..., Awaitable[Completion]]   # (prompt_ids, sampling=None, images=None)
     tokenizer: Any
 
 

@@ -183,8 +183,7 @@ class ChatSession:
 
     async def turn(self, prep: _Prep, max_tokens: int | None, stop: list[str] = (),
                    key: str = "") -> Reply:
-        """Extend the trajectory token-exactly (or start a segment, or replace the last reply),
-        generate, record."""
+        """Extend the trajectory (or start a segment, or replace the last reply); generate."""
         traj = self.trajectory
         if prep.mode == "resample":
             self._rollback()
@@ -465,8 +464,7 @@ async def shared_server() -> ChatServer:
 
 
 async def shutdown_shared() -> None:
-    """Close the running loop's shared server, if one was started (the chat agent's `aclose`,
-    from the generator's close)."""
+    """Close the running loop's shared server, if one was started (the chat agent's `aclose`)."""
     server = _servers.pop(asyncio.get_running_loop(), None)
     if server is not None:
         await server.close()

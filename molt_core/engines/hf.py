@@ -94,8 +94,7 @@ class HFEngine:
 
     async def generate(self, prompt_ids: list[int], sampling: dict,
                        images: list[ImageInput] | None = None) -> Completion:
-        """Sample a completion; `sampling` gives every key of SAMPLING_KEYS (+ stop_token_ids);
-        `images`: those whose placeholder tokens are in the prompt (VL models)."""
+        """`images`: those whose placeholder tokens are in the prompt (VL models)."""
         return await self._submit(prompt_ids, sampling, images)
 
     async def generate_batch(self, prompts: list[list[int]], samplings: list[dict],

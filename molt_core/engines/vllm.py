@@ -195,7 +195,6 @@ class VLLMEngine:
             detokenize=False, skip_special_tokens=False)
 
     async def generate(self, prompt_ids: list[int], sampling: dict) -> Completion:
-        """Sample a completion; `sampling` gives every key of SAMPLING_KEYS (+ stop_token_ids)."""
         from vllm.inputs import TokensPrompt
 
         params = self._sampling_params(sampling)
