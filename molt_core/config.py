@@ -17,13 +17,10 @@ from typing import Any, Literal
 
 import yaml
 
-__all__ = [
-    "AgentConfig", "AlgorithmConfig", "CheckConfig", "Config", "ConfigError", "EngineConfig",
-    "EvalConfig", "LogConfig", "LoraConfig", "LossTermsConfig", "ModelConfig", "RayConfig",
-    "RolloutConfig", "SamplingConfig",
-    "TrainerConfig", "apply_overrides", "from_dict", "load_config", "to_dict", "type_name",
-    "type_ok",
-]
+__all__ = ["AgentConfig", "AlgorithmConfig", "CheckConfig", "Config", "ConfigError", "EngineConfig",
+           "EvalConfig", "LogConfig", "LoraConfig", "LossTermsConfig", "ModelConfig", "RayConfig",
+           "RolloutConfig", "SamplingConfig", "TrainerConfig", "apply_overrides", "from_dict",
+           "load_config", "to_dict", "type_name", "type_ok"]
 
 
 class ConfigError(ValueError):

@@ -17,8 +17,7 @@ from typing import Any
 
 __all__ = ["Reply", "RequestError", "anthropic_messages", "anthropic_response", "check_depth",
            "check_sampling", "openai_messages", "openai_response", "parse_tool_calls",
-           "responses_messages", "responses_response", "stop_strings", "text_of",
-           "token_logprobs"]
+           "responses_messages", "responses_response", "stop_strings", "text_of", "token_logprobs"]
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 MAX_DEPTH = 64
