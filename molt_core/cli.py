@@ -105,8 +105,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         run_dir = make_run_dir(cfg.out_dir, cfg.name, to_dict(cfg), plugins.info, cfg.seed,
                                ["molt", *args.argv])
-    print(f"run dir: {run_dir}" + (f" (resuming {resume.name})" if resume else ""),
-          file=sys.stderr)
+    print(f"run dir: {run_dir}" + (f" (resuming {resume.name})" if resume else ""), file=sys.stderr)
     history = train(cfg, plugins, run_dir, progress=not args.no_progress, resume=resume)
     steps = [h for h in history if "reward/mean" in h]      # not the eval rows
     if steps:

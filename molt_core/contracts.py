@@ -112,8 +112,7 @@ class TrainerBackend(Protocol):
                      ) -> torch.Tensor:
         """[B, T] log-probs of the frozen initial weights (KL terms)."""
 
-    def full_params(self, adapter: bool = False, master: bool = False
-                    ) -> dict[str, torch.Tensor]:
+    def full_params(self, adapter: bool = False, master: bool = False) -> dict[str, torch.Tensor]:
         """Full tensors by HF name, LoRA merged (`adapter`: its weights only; `master`: fp32)."""
 
     def push_weights(self, engines: list[Any], version: int) -> dict[str, Any]:

@@ -142,8 +142,7 @@ def filter_batch(plugins: Plugins, groups: list, step: int, refill: Any) -> list
     return groups
 
 
-def probe_consistency(generator: Generator, policy: Any, version: int, temperature: float
-                      ) -> float:
+def probe_consistency(generator: Generator, policy: Any, version: int, temperature: float) -> float:
     """Max |engine - trainer| log-prob over the trainable tokens of one fresh group that the
     engines sampled with `version` (the trainer's current weights)."""
     generator.counters["check/probe_groups"] += 1

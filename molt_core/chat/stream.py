@@ -94,10 +94,8 @@ def _responses(resp: dict) -> Iterator[str]:
         else:
             yield event("response.output_item.added", output_index=i,
                         item={**item, "status": "in_progress", "arguments": ""})
-            yield event("response.function_call_arguments.delta", **ids,
-                        delta=item["arguments"])
-            yield event("response.function_call_arguments.done", **ids,
-                        arguments=item["arguments"])
+            yield event("response.function_call_arguments.delta", **ids, delta=item["arguments"])
+            yield event("response.function_call_arguments.done", **ids, arguments=item["arguments"])
         yield event("response.output_item.done", output_index=i, item=item)
     yield event("response.completed" if resp["status"] == "completed" else "response.incomplete",
                 response=resp)

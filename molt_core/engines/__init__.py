@@ -49,8 +49,7 @@ class Requests:
     def __init__(self) -> None:
         self._tasks: dict[str, asyncio.Future] = {}
 
-    async def gather(self, aws: list[Awaitable], ids: list[str] | None
-                     ) -> list[object | Exception]:
+    async def gather(self, aws: list[Awaitable], ids: list[str] | None) -> list[object | Exception]:
         """Await `aws` (futures stay futures, coroutines become tasks) with their ids."""
         tasks = [asyncio.ensure_future(a) for a in aws]
         ids = ids or []

@@ -107,8 +107,7 @@ def molt_configure(cfg: Config, plugins: Any) -> None:
     if cfg.agent.name != "chat":
         return
     a = cfg.agent.args
-    plugins.check_args("agent.args.agent_args", "chat_agent", a["agent"],
-                       a.get("agent_args") or {})
+    plugins.check_args("agent.args.agent_args", "chat_agent", a["agent"], a.get("agent_args") or {})
     if Path(cfg.model.path).is_dir():
         from transformers import AutoTokenizer
         try:
