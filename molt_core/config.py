@@ -55,9 +55,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1        # GPUs one engine shards its model over (vllm)
     gpus_per_engine: float = -1.0        # -1: tensor_parallel_size if the Ray cluster has GPUs
     resources: dict = field(default_factory=dict)   # custom Ray resources per engine (placement)
-    # vLLM `speculative_config`, passed through as is (e.g. {method: mtp, num_speculative_tokens:
-    # 1} for a model with an MTP head); {} = off.
-    speculative: dict = field(default_factory=dict)
+    speculative: dict = field(default_factory=dict)   # vLLM speculative_config as is; {}: off
     # More keyword arguments of the engine class (vllm: gpu_memory_utilization, max_model_len,
     # enforce_eager, engine_kwargs for any other vLLM engine argument, ...).
     args: dict = field(default_factory=dict)
@@ -108,10 +106,8 @@ class TrainerConfig:
     timeout_s: float = 300.0             # collectives and trainer RPCs
     weight_sync_bucket_mb: float = 64.0  # tensors per weight-sync bucket
     weight_sync_timeout_s: float = 120.0   # every sync RPC and collective
-    # broadcast: a gloo/NCCL group of trainer rank 0 and the engine workers (faster here, and
-    # across nodes); ray: buckets as Ray objects (needed when trainer and engine share a GPU,
-    # which NCCL cannot put in one group; any engine with `update_weights`); shm: shared-memory
-    # files, double-buffered (every engine on trainer rank 0's node; fastest on one CPU box)
+    # broadcast: a gloo/NCCL group (across nodes) | ray: Ray objects (trainer and engine on one
+    # GPU) | shm: shared-memory files (one node; fastest on one CPU box); docs/scaling.md
     weight_sync_transport: Literal["broadcast", "ray", "shm"] = "broadcast"
     # MoE policies: replay (the trainer's forward uses the experts the engine routed each sampled
     # token to; R3) | off (the trainer recomputes routing) | freeze_router (recompute; router
@@ -145,11 +141,9 @@ class AlgorithmConfig:
     # how per-token values become the loss: mean over all tokens | per sequence, then mean
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     # Off-policy correction against the engine's behavior log-probs: none | tis | icepop | mis |
-    # geo_mask (formulas: molt_core.algos.is_correction); thresholds in correction_args: tis
-    # {cap: 2.0}, icepop {low: 0.5, high: 2.0}, mis {cap: 2.0} (on the sequence ratio), geo_mask
-    # {low: 0.5, high: 2.0} (on the sequence geometric mean).
+    # geo_mask (formulas and default thresholds: molt_core.algos.is_correction, docs/algorithms.md)
     correction: str = "none"
-    correction_args: dict = field(default_factory=dict)  # thresholds (see correction)
+    correction_args: dict = field(default_factory=dict)  # thresholds, e.g. tis {cap: 2.0}
     terms: LossTermsConfig = field(default_factory=LossTermsConfig)
 
 
