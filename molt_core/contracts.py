@@ -88,8 +88,8 @@ class Engine(Protocol):
 @runtime_checkable
 class TrainerBackend(Protocol):
     """The trainer (`molt_trainer_backends`), a driver object owning its ranks. `batch`: [B, T]
-    tensors from `collate`; results are 0 where not trainable. Calls block (TimeoutError past
-    `trainer.timeout_s`)."""
+    from `collate`; results are 0 where not trainable; calls block (past `trainer.timeout_s`:
+    TimeoutError)."""
 
     def __init__(self, model_path: str, trainer_cfg: TrainerConfig, *, dtype: str, seed: int,
                  num_threads: int, actor_options: dict | None) -> None:
@@ -156,8 +156,7 @@ class Agent(Protocol):
 
 @runtime_checkable
 class Env(Protocol):
-    """A Gym-style environment of the `gym` agent (`molt_envs`): one instance per rollout,
-    built with `agent.args.env_args`."""
+    """The `gym` agent's environment (`molt_envs`): one per rollout, from `agent.args.env_args`."""
 
     async def reset(self, seed: int) -> Observation:
         """Start the episode of task `seed`; return the first observation."""

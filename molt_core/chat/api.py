@@ -267,8 +267,7 @@ def responses_messages(body: dict) -> tuple[list[dict], list[dict] | None]:
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[tuple[str, str, Any]], bool]:
-    """Split a Hermes/Qwen reply into (content, [(name, raw_arguments_json, arguments)],
-    malformed).
+    """Split a Hermes/Qwen reply: (content, [(name, raw_arguments_json, arguments)], malformed).
 
     `raw_arguments_json` is the arguments exactly as sampled, so that an SDK echoing the call back
     lets the template re-render the same text. Blocks that are not valid JSON with a `name` stay

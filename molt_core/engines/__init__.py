@@ -30,8 +30,7 @@ def check_sampling(sampling: dict) -> tuple[dict, list[int] | None]:
 
 
 def default_stop_ids(model_path: str, config: Any) -> list[int]:
-    """Stop ids of a request without `stop_token_ids`: the checkpoint's generation_config eos (may
-    be a list), else the model config's eos."""
+    """Stop ids without `stop_token_ids`: generation_config's eos (may be a list), else config's."""
     from transformers import GenerationConfig
 
     try:
