@@ -155,10 +155,9 @@ class RolloutConfig:
     max_staleness: int | None = None     # weight versions a trainable token may lag; unset:
                                          # async/partial ceil(pool / groups_per_step), >= 1
     stale: Literal["drop", "mask"] = "drop"    # drop the whole group | mask the stale tokens
-    max_inflight_groups: int = 0         # streaming pool (async/partial): groups running or
-                                         # finished-and-waiting; 0 = groups_per_step (one
-                                         # batch ahead; more lets fast groups go first but
-                                         # the surplus ages and may exceed max_staleness)
+    # streaming pool (async/partial): groups running or finished-and-waiting; 0 = groups_per_step
+    # (one batch ahead; more lets fast groups go first, but the surplus ages past max_staleness)
+    max_inflight_groups: int = 0
 
 
 @dataclass

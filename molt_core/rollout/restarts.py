@@ -22,9 +22,9 @@ class EngineDiedError(RuntimeError):
 
 
 class EngineRestarts:
-    """Replaces dead engine actors (same options), loaded with the trainer's current weights,
-    `engine.max_restarts` times per run (`faults/engine_restarts`): while the driver waits for
-    rollouts (then with `version()`, the engines' weight version), and when a push meets one."""
+    """Replaces dead engine actors (same options), `engine.max_restarts` times per run
+    (`faults/engine_restarts`): while the driver waits for rollouts (loaded with `version()`),
+    and when a push meets one."""
 
     def __init__(self, cfg: Config, plugins: Any, generator: Any, policy: Any,
                  version: Callable[[], int]) -> None:

@@ -59,8 +59,7 @@ class GymAgent:
         return text, ids, images
 
     def render(self, messages: list[dict]) -> str:
-        """The whole conversation as text, ending where the policy speaks next. Without a chat
-        template (base-model style) it is the plain concatenation of the turns."""
+        """The conversation as text, up to the policy's turn (no template: the turns joined)."""
         if not self.chat_template:
             return "".join(multimodal.content_text(m["content"]) for m in messages)
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

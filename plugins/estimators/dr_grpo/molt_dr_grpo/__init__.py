@@ -1,12 +1,9 @@
 """Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training"): GRPO without its biases.
 
-GRPO divides the group-centred reward by the group's std (over-weighting prompts that are too
-easy or too hard) and each sequence's loss by its length (favouring long wrong answers). Dr. GRPO
-drops both: the advantage is r_i - mean_g(r), and the PPO-clip loss is summed over a sequence's
-tokens and divided by a constant. In Molt that is the `ppo_clip` loss with
-`algorithm.loss_agg: seq-mean-token-sum`, whose normaliser is the step's number of sequences (a
-constant for a fixed batch; the paper's extra 1/L_max is a constant scale absorbed by the
-learning rate). `seq-mean-token-mean` would reintroduce the length bias and is rejected.
+A_i = r_i - mean_g(r) (no std division, which over-weights too easy or too hard prompts), and
+the `ppo_clip` loss with `algorithm.loss_agg: seq-mean-token-sum` (no division by the sequence's
+length, which favours long wrong answers; docs/algorithms.md). `seq-mean-token-mean` would put
+the length bias back and is rejected.
 """
 
 from __future__ import annotations
