@@ -5,13 +5,12 @@ A MoE block here is any module with a `gate` router (`top_k`, `num_experts`, `we
 hidden [N, H] to (router_logits, top-k weights, top-k expert ids [N, k]). Layers are numbered by
 their order among the model's MoE blocks (dense layers are skipped).
 
-`routing(model, replay, mode)`: patches the gates' `forward` on the instances (undone on exit;
-  nothing is patched globally) so the router runs in fp32 and, where `replay` holds ids (>= 0),
-  those experts are used instead of the router's own top-k; their weights come from the current
-  router probabilities at those ids, so the router still gets gradients. Positions with the
-  sentinel -1 route normally. The ids actually used by the last forward are kept in `.used`
-  (one [N, k] per layer): the engine records routing from it, with mode "off". `.aux_loss(mask)`
-  is the Switch-Transformer load-balancing loss of that forward over the routing it used.
+`routing(model, replay, mode)` patches the gates' `forward` on the instances (undone on exit)
+  so the router runs in fp32 and, where `replay` holds ids (>= 0; -1 routes normally), those
+  experts are used instead of its own top-k, weighted by the current router probabilities at
+  those ids, so the router still gets gradients. The ids the last forward used stay in `.used`
+  (one [N, k] per layer; the engine records routing from them with mode "off"); `.aux_loss(mask)`
+  is the load-balancing loss over that routing.
 
 `keep_router_fp32(model)`: router weights stay fp32 parameters whatever the model dtype (their
   small logit differences decide the top-k; bf16 flips choices and loses small updates).

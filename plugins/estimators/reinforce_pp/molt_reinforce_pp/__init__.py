@@ -1,9 +1,8 @@
 """REINFORCE++ (Hu, 2025): no critic, no group baseline; advantages whitened over the batch.
 
-With one outcome reward per rollout (no per-token KL penalty in the reward) the return of every
-token is the rollout's reward, so whitening the returns over the global batch is whitening the
-rewards over the batch's rollouts. The paper whitens over tokens, which weights long responses
-more; the estimator sees rewards only, so here each rollout counts once.
+With one outcome reward per rollout, every token's return is the rollout's reward, so
+whitening the returns over the batch is whitening the rewards over its rollouts (the paper
+whitens over tokens, weighting long responses more; here each rollout counts once).
 `group_baseline=True` is REINFORCE++-baseline: subtract the group mean first, then whiten over
 the batch. Pair it with the `ppo_clip` loss (as the paper does).
 """
