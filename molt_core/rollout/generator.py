@@ -122,13 +122,16 @@ class Generator:
             need = num_groups - len(out)
             attempts += need
             if attempts > 4 * num_groups:
-                raise RuntimeError(f"could not complete {num_groups} groups after {attempts} "
-                                   f"attempts; drops so far: {dict(self.counters)}. The agent "
-                                   "fails too often: see the agent_error events in the log")
+                raise self._stuck(f"could not complete {num_groups} groups after {attempts} "
+                                  "attempts")
             groups = await asyncio.gather(*(self.run_group(self.new_group_id())
                                             for _ in range(need)))
             out += [g for g in groups if g is not None]
         return out
+
+    def _stuck(self, what: str) -> RuntimeError:
+        return RuntimeError(f"{what}; drops so far: {dict(self.counters)}. The agent fails too "
+                            "often: see the agent_error events in the log")
 
     def start_pool(self, max_groups: int) -> None:
         """Keep up to `max_groups` groups running or finished-and-waiting from now on."""
@@ -173,10 +176,8 @@ class Generator:
         elif task.result() is None:               # dropped, counted by run_group
             self._failed_in_a_row += 1
             if self._failed_in_a_row > 4 * self._pool_cap:
-                self._pool_error = RuntimeError(
-                    f"{self._failed_in_a_row} groups in a row could not complete; drops so far: "
-                    f"{dict(self.counters)}. The agent fails too often: see the agent_error "
-                    "events in the log")
+                self._pool_error = self._stuck(f"{self._failed_in_a_row} groups in a row could "
+                                               "not complete")
         else:
             self._failed_in_a_row = 0
             self._buffer.append(task.result())
