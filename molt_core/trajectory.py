@@ -122,9 +122,8 @@ class Trajectory:
         return sum(self.loss_mask)
 
     def split_segments(self) -> list[Trajectory]:
-        """One trajectory per segment: each is a separate training sequence (its tokens never
-        attend to another segment's). They share ids, reward, turn rewards, truncation and info.
-        One segment: this trajectory itself."""
+        """One trajectory per segment, each its own training sequence (never attending to another),
+        sharing ids, reward, turn rewards, truncation and info; one segment: this trajectory."""
         if not any(self.segments):
             return [self]
         bounds = sorted(set(self.segments) | {0}) + [len(self)]

@@ -100,8 +100,7 @@ class EngineClient:
                 asyncio.ensure_future(self._send(i, chunk))
 
     def busy_s(self) -> float:
-        """Mean seconds per engine with requests in flight since the last call: generation
-        time under async schemes too, where the driver rarely waits for it."""
+        """Mean seconds per engine with requests in flight since the last call (async too)."""
         now = time.perf_counter()
         for i, n in enumerate(self.outstanding):
             if n:

@@ -30,8 +30,7 @@ class _Stderr:
 
 
 def configure_logging(level: str = "INFO", fmt: str = "console") -> None:
-    """Called by the CLI only (never at import): key=value events (`fmt` json: JSON lines) on
-    stderr."""
+    """By the CLI only (never at import): key=value events (`fmt` json: JSON lines) on stderr."""
     json_lines = fmt == "json"
     structlog.configure(
         processors=[structlog.processors.add_log_level,
