@@ -68,8 +68,7 @@ class LoraConfig:
     rank: int = 0                        # 0: off (full fine-tuning)
     alpha: float = 16.0
     dropout: float = 0.0
-    target_modules: str | list = "all-linear"   # PEFT names; "all-linear": every Linear but
-                                                # the output head
+    target_modules: str | list = "all-linear"   # PEFT names; all-linear: every Linear but lm_head
 
 
 @dataclass

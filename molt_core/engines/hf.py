@@ -71,8 +71,6 @@ class HFEngine:
         self.pad_id: int = config.pad_token_id if config.pad_token_id is not None else 0
         self.default_stop_ids = frozenset(default_stop_ids(model_path, config))
         self.max_batch_size = max_batch_size
-        # MoE: record per token and MoE layer the top-k experts it was routed to (R3); the
-        # router runs in fp32, as in the trainer (molt_core.moe).
         gates = moe.moe_gates(self.model)
         self._moe_sentinel = [[-1] * g.top_k for g in gates] if gates else None
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
