@@ -31,9 +31,8 @@ class AsyncScheme:
         return self.refill(self.cfg.rollout.groups_per_step)
 
     def refill(self, n: int) -> list[list[Trajectory]]:
-        """n finished groups from the pool within the staleness bound (also what a batch
-        filter such as DAPO's dynamic sampling gets as `refill`; n may exceed the pool: it is
-        taken in pool-sized parts as the pool refills)."""
+        """n finished groups within the staleness bound (also a batch filter's `refill`); n may
+        exceed the pool: it is taken in pool-sized parts as the pool refills."""
         r = self.cfg.rollout
         out: list[list[Trajectory]] = []
         while len(out) < n:
