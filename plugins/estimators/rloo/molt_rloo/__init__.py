@@ -12,10 +12,7 @@ __all__ = ["rloo_advantages"]
 
 def rloo_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
     """A_i = r_i - 1/(n-1) sum_{j != i} r_j = n/(n-1) (r_i - mean_g(r)); a group of one gets 0.
-
-    The baseline of each rollout excludes itself, so it is independent of the rollout and the
-    policy gradient stays unbiased. [R] -> [R]
-    """
+    Each baseline excludes its rollout, so the policy gradient stays unbiased. [R] -> [R]"""
     mean, _, n = group_stats(rewards, group_index)
     n = n.to(rewards.dtype)
     scale = n / (n - 1).clamp(min=1)
