@@ -13,18 +13,18 @@ from typing import Any, Callable, Iterator
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from molt_core.run import cluster
 from molt_core.advantage import opt_in, training_batch
-from molt_core.run.checkpoint import Checkpointer
 from molt_core.config import Config
+from molt_core.plugins import Plugins
+from molt_core.policy.objective import TrainStep
 from molt_core.rollout.eval import eval_due, evaluate
 from molt_core.rollout.generator import Generator, version_lag_metrics
 from molt_core.rollout.restarts import EngineRestarts
+from molt_core.run import cluster
+from molt_core.run.checkpoint import Checkpointer
 from molt_core.run.metrics import MetricsSink
-from molt_core.plugins import Plugins
-from molt_core.policy.objective import TrainStep
-from molt_core.trajectory import Trajectory, collate
 from molt_core.run.trajectory_store import TrajectoryWriter
+from molt_core.trajectory import Trajectory, collate
 
 __all__ = ["ForwardConsistencyError", "check_consistency", "probe_consistency", "train"]
 
