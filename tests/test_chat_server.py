@@ -835,3 +835,43 @@ def test_openai_agents_sdk_agent_trains_token_exactly(ray_local, api_model_dir, 
     assert len(history) == 3
     assert all(h["mismatch/max_abs"] <= cfg.check.consistency_tol for h in history)
     assert sum(h["reward/mean"] for h in history) > 0, "the imprinted agent calls the tool"
+
+
+def test_lone_surrogate_and_nan_temperature_are_400s(tiny_model_dir, tok, caplog):
+    async def main():
+        server, rec = await started(), Recorder(HFEngine(str(tiny_model_dir)))
+        s = server.open_session(tok, rec, sampling(tok, max_new_tokens=2), max_context=512)
+        url = s.base_url + "/chat/completions"
+        # The SDKs cannot encode a lone surrogate; JSON escapes it (JavaScript clients send it).
+        surrogate = await asyncio.to_thread(post, url, s.api_key, {"messages": [
+            {"role": "user", "content": "hi \ud800"}]})
+        nan = await asyncio.to_thread(post, url, s.api_key, b'{"messages": [{"role": "user", '
+                                      b'"content": "hi"}], "temperature": NaN}')
+        server.close_session(s)
+        await server.close()
+        return surrogate, nan, rec
+
+    (status, body), (nan_status, nan_body), rec = run(main())
+    assert status == 400 and "surrogate" in json.dumps(body), body
+    assert nan_status == 400 and "sampling.temperature=1.0" in json.dumps(nan_body)
+    assert not rec.calls and not [r for r in caplog.records if r.exc_info]
+
+
+def test_stop_string_in_a_reply_that_hit_max_tokens_is_length(api_model_dir, tok):
+    async def main():
+        server, rec = await started(), Recorder(HFEngine(str(api_model_dir)))
+        s = server.open_session(tok, rec, cold(tok), max_context=512)
+        client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+        r = await client.chat.completions.create(
+            model="p", messages=[{"role": "user", "content": "Count."}], stop=["two"],
+            max_tokens=len(tok(COUNT)["input_ids"]) - 1)
+        await client.close()
+        traj = server.close_session(s)
+        await server.close()
+        return r, traj, rec
+
+    r, traj, rec = run(main())
+    ((_, c),) = rec.calls
+    assert c.finish_reason == "length" and "two" in decode(tok, c.token_ids)
+    assert r.choices[0].message.content.startswith("one")
+    assert r.choices[0].finish_reason == "length" and traj.truncated

@@ -73,7 +73,7 @@ def check_sampling(body: dict, sampling: dict) -> None:
         v = body.get(key)
         if v is None or key not in sampling:
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or abs(v - sampling[key]) > 1e-6:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not abs(v - sampling[key]) <= 1e-6:
             raise RequestError(400, f"'{key}'={v!r} differs from the run's sampling "
                                     f"(sampling.{key}={sampling[key]}): behavior log-probs "
                                     f"must come from the run's sampling; drop '{key}' from the "

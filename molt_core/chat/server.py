@@ -178,7 +178,8 @@ class ChatSession:
         while k < len(c.token_ids) and text[:pos].startswith(self._decode(c.token_ids[:k + 1])):
             k += 1
         routed = c.routed_experts[:k] if c.routed_experts is not None else None
-        return Completion(c.token_ids[:k], c.logprobs[:k], c.versions[:k], "stop", routed,
+        finish = "length" if c.finish_reason == "length" else "stop"    # truncated all the same
+        return Completion(c.token_ids[:k], c.logprobs[:k], c.versions[:k], finish, routed,
                           c.prompt_routed_experts), s
 
     async def turn(self, prep: _Prep, max_tokens: int | None, stop: list[str] = (),
@@ -241,8 +242,16 @@ def _decode(api: str, raw: bytes) -> tuple[dict, str]:
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
     api_.check_depth(body)
-    return body, json.dumps([api, {k: v for k, v in body.items()
-                                   if k not in ("stream", "stream_options")}], sort_keys=True)
+    key = json.dumps([api, {k: v for k, v in body.items()
+                            if k not in ("stream", "stream_options")}], sort_keys=True,
+                     ensure_ascii=False)
+    try:
+        key.encode()
+    except UnicodeEncodeError as e:
+        raise RequestError(400, f"the request body holds a lone UTF-16 surrogate "
+                                f"({key[e.start]!r}), which is not text: send valid "
+                                "Unicode") from None
+    return body, key
 
 
 async def _read_body(request: Any, limit: int) -> bytes:
