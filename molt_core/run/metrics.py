@@ -16,7 +16,7 @@ import structlog
 import yaml
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-__all__ = ["MetricsSink", "RunDirError", "configure_logging", "make_run_dir"]
+__all__ = ["MetricsSink", "RunDirError", "configure_logging", "make_run_dir", "resume_hint"]
 
 
 class _Stderr:
@@ -97,8 +97,7 @@ class MetricsSink:
                 with contextlib.suppress(OSError):
                     os.truncate(path, end)
                 raise RunDirError(f"cannot append step {step} to {path}: {e}. Free space or fix "
-                                  "the run directory, then `molt run --resume RUN_DIR` (from "
-                                  "its last checkpoint)") from e
+                                  f"the run directory, {resume_hint(Path(path).parent)}") from e
         numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
         for sink in self.sinks:
             sink.log(step, numbers)
@@ -128,3 +127,10 @@ def _plain(v: Any) -> Any:
 
 class RunDirError(OSError):
     """The run directory cannot be written or read (disk full, permissions, a missing file)."""
+
+
+def resume_hint(run_dir: Path) -> str:
+    """How to go on after a write failure: from the latest checkpoint, or afresh without one."""
+    done = sorted(run_dir.glob("checkpoints/step_*"))
+    return (f"then `molt run --resume {run_dir}` (from {done[-1].name})" if done else
+            "then start the run again: it has no checkpoint yet (trainer.save_every)")
