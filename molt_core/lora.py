@@ -21,9 +21,11 @@ def peft_config(lora: dict, base: str = "") -> Any:
 
 
 def add_adapters(model: torch.nn.Module, lora: dict) -> torch.nn.Module:
-    """`trainer.lora` adapters injected into `model`; every other weight is frozen."""
+    """`trainer.lora` adapters injected into `model`; every other weight is frozen. The model is
+    left in eval mode, the adapters' dropout off in every forward (the ratio's log-probs must be
+    the merged weights' the engines sample): `lora.dropout` only reaches the exported config."""
     from peft import inject_adapter_in_model
-    model = inject_adapter_in_model(peft_config(lora), model)
+    model = inject_adapter_in_model(peft_config(lora), model).eval()
     if not any(".lora_A." in n for n, _ in model.named_parameters()):
         raise ValueError(f"trainer.lora.target_modules={lora['target_modules']!r} matched no "
                          "Linear of the model: use PEFT module names (q_proj, ...) or all-linear")

@@ -91,3 +91,29 @@ def test_lora_trains_adapters_only_syncs_merged_and_exports(ray_local, tiny_mode
     finally:
         policy.shutdown()
         ray.kill(engine)
+
+
+def test_lora_dropout_never_noises_trainer_logprobs(ray_local, tiny_model_dir):
+    """Adapters' dropout stays off in every trainer forward (loss, pi_prox, saved log-probs): the
+    ratio's log-probs are deterministic and those of the merged weights the engines sample."""
+    path = str(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(path)
+    engine = ray.remote(HFEngine).options(num_cpus=0).remote(path, seed=3)
+    cfg = dataclasses.replace(TrainerConfig(), lr=5e-2, lora=LoraConfig(
+        rank=4, alpha=8.0, dropout=0.3, target_modules="all-linear"))
+    policy = Policy(path, cfg, seed=0)
+    try:
+        spec = TrainStep(ppo_clip_loss, {}, "token-mean", 1.0)
+        policy.train(sample_batch(engine, tok)[1], spec)        # B != 0: dropout would show
+        _, batch = sample_batch(engine, tok)
+        first, second = policy.logprobs(batch), policy.logprobs(batch)
+        assert torch.equal(first, second)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model.load_state_dict(policy.full_params(), strict=False)    # lm_head: tied
+        assert (reference_logprobs(model, batch) - first).abs().max() < 1e-4
+        policy.push_weights([engine], 1)
+        _, batch = sample_batch(engine, tok)
+        assert policy.train(batch, spec)["mismatch/max_abs"] < 1e-4    # the loss forward's
+    finally:
+        policy.shutdown()
+        ray.kill(engine)
