@@ -17,7 +17,7 @@ from molt_core.advantage import opt_in, training_batch
 from molt_core.config import Config
 from molt_core.plugins import Plugins
 from molt_core.policy.objective import TrainStep
-from molt_core.rollout.eval import eval_due, evaluate
+from molt_core.rollout.eval import eval_agent, eval_due, evaluate
 from molt_core.rollout.generator import Generator, version_lag_metrics
 from molt_core.rollout.restarts import EngineRestarts
 from molt_core.run import cluster
@@ -26,7 +26,8 @@ from molt_core.run.metrics import MetricsSink
 from molt_core.run.trajectory_store import TrajectoryWriter
 from molt_core.trajectory import Trajectory, collate
 
-__all__ = ["ForwardConsistencyError", "check_consistency", "probe_consistency", "train"]
+__all__ = ["ForwardConsistencyError", "check_consistency", "logprob_gaps", "probe_consistency",
+           "train"]
 
 
 class ForwardConsistencyError(RuntimeError):
@@ -40,6 +41,8 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     vocab_size = AutoConfig.from_pretrained(cfg.model.path).get_text_config().vocab_size
     agent = plugins.get("agent", cfg.agent.name)(cfg, tokenizer, plugins, **cfg.agent.args)
+    if cfg.eval.every:           # refused before anything starts
+        eval_agent(cfg, plugins, tokenizer)
     torch.manual_seed(cfg.seed)
     with cluster.start(cfg, plugins) as (policy, engines):
         generator = Generator(agent, engines, cfg, tokenizer, vocab_size)
@@ -53,6 +56,7 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                            [plugins.get("metric_sink", s)(run_dir, cfg) for s in cfg.log.sinks])
         saved = TrajectoryWriter(run_dir, tokenizer, cfg.log.trajectories_every,
                                  cfg.log.trajectories_per_step, generator.task_of, start)
+        ckpt.flush = saved.flush
         refill = getattr(scheme, "refill", generator.generate)   # for batch filters (DAPO)
         log = _Log(cfg, plugins, sink, partial(evaluate, cfg, plugins, engines, tokenizer,
                                                 vocab_size))
@@ -78,6 +82,7 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                                **generator.counters)
                 with _timed(times, "time/weight_sync_s"):
                     version = scheme.sync_weights(step)
+                    restarts.check_canary(version)
                 saved.write(step, trajs, policy)
                 check_consistency(cfg, step, metrics, lambda: probe_consistency(
                     generator, policy, version, cfg.sampling.temperature))
@@ -147,12 +152,19 @@ def probe_consistency(generator: Generator, policy: Any, version: int, temperatu
     engines sampled with `version` (the trainer's current weights)."""
     generator.counters["check/probe_groups"] += 1
     segs = [s for g in generator.generate(1) for t in g for s in t.split_segments()]
-    batch = collate(segs, [[0.0] * len(s) for s in segs])
+    return float(logprob_gaps(policy, segs, version, temperature).max())
+
+
+def logprob_gaps(policy: Any, trajs: list[Trajectory], version: int, temperature: float
+                 ) -> torch.Tensor:
+    """[B] max |engine - trainer| log-prob over each row's trainable tokens `version` sampled
+    (0 with none): the probe's and the weight-sync canary's comparison."""
+    batch = collate(trajs, None)
     on = batch["loss_mask"] & (batch["versions"] == version)
     if not on.any():
-        return 0.0
-    lp = policy.logprobs(batch, temperature)
-    return float((lp - batch["behavior_logprobs"]).abs()[on].max())
+        return torch.zeros(len(trajs))
+    gap = (policy.logprobs(batch, temperature) - batch["behavior_logprobs"]).abs()
+    return torch.where(on, gap, 0.0).amax(1)
 
 
 def check_consistency(cfg: Config, step: int, metrics: dict[str, Any],

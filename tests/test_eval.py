@@ -9,11 +9,15 @@ import json
 import pytest
 import yaml
 
+from types import SimpleNamespace
+
 from molt_core.cli import load
-from molt_tools.commands import main
+from molt_core.config import ConfigError
 from molt_core.rollout.eval import EVAL_TASKS
+from molt_core.rollout.generator import Generator
 from molt_core.trainer import train
-from molt_gym import Arithmetic
+from molt_gym import Arithmetic, MathProblems
+from molt_tools.commands import main
 
 
 def test_arithmetic_splits_are_disjoint_and_answers_right():
@@ -40,8 +44,49 @@ def test_arithmetic_splits_are_disjoint_and_answers_right():
         Arithmetic(ops="^")
 
 
+def test_math_eval_prompts_are_never_training_prompts(tiny_model_dir, tmp_path):
+    """The DAPO-Math recipe's env: 32 eval prompts vs the first 200 training groups' (on main all
+    32 were among them: row = task mod len for both)."""
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i)})
+                            + "\n" for i in range(300)))
+    cfg = load(None, [f"model.path={tiny_model_dir}", "agent.args.env=math",
+                      f"agent.args.env_args={{data: {data}}}"])[0]
+    gen = SimpleNamespace(cfg=cfg)       # the real task mapping of training's generator
+
+    def prompts(tasks, **args) -> set[str]:
+        env = MathProblems(data=str(data), **args)
+        return {asyncio.run(env.reset(t)) for t in tasks}
+    trained = prompts(Generator.task_of(gen, g) for g in range(200))
+    held_out = prompts(range(EVAL_TASKS, EVAL_TASKS + 32), split="test")
+    assert len(trained) > 150 and len(held_out) >= 20
+    assert not trained & held_out
+    rows = [{"prompt": "p1", "answer": "1", "split": "test"}, {"prompt": "p2", "answer": "2"}]
+    (tmp_path / "declared.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert prompts(range(5), split="test") | prompts(range(5)) <= {f"What is {i} + {i}?"
+                                                                   for i in range(300)}
+    declared = str(tmp_path / "declared.jsonl")
+    assert {asyncio.run(MathProblems(data=declared, split="test", test_fraction=0.0).reset(t))
+            for t in range(4)} == {"p1"}
+    with pytest.raises(ValueError, match="no 'train' rows"):
+        MathProblems(data=declared, test_fraction=1.0)
+
+
+def test_eval_refuses_an_env_without_a_held_out_split(tiny_recipe, tmp_path):
+    """next_letter has no split: its eval tasks would be training prompts. Refused before Ray
+    starts, by training and by `molt eval`."""
+    cfg, plugins = load(tiny_recipe, ["eval.every=1", "trainer.steps=1"])
+    with pytest.raises(ConfigError, match="next_letter.* serves no held-out split"):
+        train(cfg, plugins, tmp_path, progress=False)
+    model = yaml.safe_load(open(tiny_recipe))["model"]["path"]
+    assert main(["eval", model, tiny_recipe]) == 2
+
+
+ARITHMETIC = ["agent.args.env=arithmetic", "eval.agent_args={env_args: {split: test}}"]
+
+
 def test_eval_rows_in_training_and_standalone(ray_local, tiny_recipe, tmp_path, capsys):
-    over = ["trainer.steps=2", "eval.every=2", "eval.prompts=3", "eval.k=2",
+    over = [*ARITHMETIC, "trainer.steps=2", "eval.every=2", "eval.prompts=3", "eval.k=2",
             "rollout.groups_per_step=2", "rollout.group_size=2"]
     cfg, plugins = load(tiny_recipe, over)
     history = train(cfg, plugins, tmp_path, progress=False)
@@ -56,7 +101,7 @@ def test_eval_rows_in_training_and_standalone(ray_local, tiny_recipe, tmp_path, 
     # standalone: the same held-out prompts on the same (untrained) model, greedy is greedy
     model = yaml.safe_load(open(tiny_recipe))["model"]["path"]
     capsys.readouterr()
-    assert main(["eval", model, tiny_recipe, "eval.prompts=3", "eval.k=0"]) == 0
+    assert main(["eval", model, tiny_recipe, *ARITHMETIC, "eval.prompts=3", "eval.k=0"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["eval/greedy/pass@1"] == evals[0]["eval/greedy/pass@1"]
     assert "eval/sampled/pass@1" not in out

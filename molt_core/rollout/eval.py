@@ -1,8 +1,8 @@
 """Held-out evaluation: a loop of its own over the generator, the agent and the engines.
 
 Eval prompt i is task `EVAL_TASKS + i`, far from the training tasks (`seed * 1_000_003 + group
-id`); envs that can also split their problems take it from `eval.agent_args` (e.g. the
-arithmetic env's `split: test`). Two passes over the same prompts: greedy (top_k 1), one rollout
+id`), of a held-out split the agent must serve (`eval_agent`: e.g. the arithmetic and math envs'
+`split: test` from `eval.agent_args`). Two passes over the same prompts: greedy (top_k 1), one rollout
 each, and sampled with the recipe's sampling settings, `eval.k` rollouts each. A rollout counts
 as solved when its reward >= `eval.success`. Metrics: `eval/{greedy,sampled}/pass@1` (sampled:
 mean over samples), `eval/{greedy,sampled}/reward_mean`, `eval/sampled/pass@k`, `eval/time_s`.
@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from molt_core.config import Config
+from molt_core.config import Config, ConfigError
 from molt_core.rollout.generator import Generator
 
-__all__ = ["EVAL_TASKS", "eval_due", "evaluate"]
+__all__ = ["EVAL_TASKS", "eval_agent", "eval_due", "evaluate"]
 
 EVAL_TASKS = 2**48
 GREEDY = {"temperature": 1.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0}
@@ -40,13 +40,26 @@ def eval_due(cfg: Config, step: int) -> bool:
     return bool(every) and (step % every == 0 or step == cfg.trainer.steps)
 
 
+def eval_agent(cfg: Config, plugins: Any, tokenizer: Any) -> Any:
+    """The agent on `eval.agent_args`; one that cannot tell held-out tasks from training's (no
+    `held_out` attribute true) is refused: evaluating it would measure the training set."""
+    agent = plugins.get("agent", cfg.agent.name)(cfg, tokenizer, plugins,
+                                                 **_merge(cfg.agent.args, cfg.eval.agent_args))
+    if not getattr(agent, "held_out", False):
+        env = cfg.agent.args.get("env")
+        raise ConfigError(
+            f"eval: agent '{cfg.agent.name}'{f' env {env!r}' if env else ''} serves no held-out "
+            "split, so its eval tasks would be training tasks. Use an env with a split and "
+            "select its held-out part in eval.agent_args (arithmetic, math: {env_args: {split: "
+            "test}}), or set eval.every=0")
+    return agent
+
+
 def evaluate(cfg: Config, plugins: Any, engines: list[Any], tokenizer: Any,
              vocab_size: int) -> dict[str, float]:
     """Run the held-out prompts on the engines' current weights; returns `eval/*` metrics."""
     t0 = time.perf_counter()
-    e = cfg.eval
-    agent = plugins.get("agent", cfg.agent.name)(cfg, tokenizer, plugins,
-                                                 **_merge(cfg.agent.args, e.agent_args))
+    e, agent = cfg.eval, eval_agent(cfg, plugins, tokenizer)
     out: dict[str, float] = {}
     for name, knobs, k in (("greedy", GREEDY, 1), ("sampled", {}, e.k)):
         if k < 1:

@@ -7,6 +7,7 @@ Observations may hold images (`multimodal.images_of`), which ride with the traje
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,9 @@ class GymAgent:
                  system_prompt: str | None = None, chat_template: bool = True) -> None:
         self.env_cls = plugins.get("env", env)
         self.env_args = env_args or {}
+        # eval (molt_core.rollout.eval) runs only an env that serves a held-out split
+        self.held_out = self.env_args.get("split") == "test" and \
+            "split" in inspect.signature(self.env_cls).parameters
         self.max_turns = max_turns
         self.system = [{"role": "system", "content": system_prompt}] if system_prompt else []
         self.chat_template = chat_template

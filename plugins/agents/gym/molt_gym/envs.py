@@ -125,14 +125,33 @@ def _rows(path: str) -> tuple[dict, ...]:
     return rows
 
 
+@functools.lru_cache(maxsize=8)
+def _split(path: str, split: str, test_fraction: float) -> tuple[dict, ...]:
+    """`split`'s rows: a row's own "split" field, else a hash of its prompt (test: `test_fraction`
+    of them), so no held-out row is ever a training row."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split '{split}': use train or test")
+    def side(row: dict) -> str:
+        held = zlib.crc32(str(row["prompt"]).encode()) % 10_000 < test_fraction * 10_000
+        return row.get("split", "test" if held else "train")
+    rows = tuple(r for r in _rows(path) if side(r) == split)
+    if not rows:
+        raise ValueError(f"{path}: no '{split}' rows (test_fraction={test_fraction}, rows' "
+                         "own 'split' field)")
+    return rows
+
+
 class MathProblems(Env):
-    """Single-turn math: task i is row i (mod len) of a local JSONL file of {"prompt", "answer"}
-    rows (e.g. DAPO-Math-17k converted once, offline). Reward 1 if the reply's \\boxed{} answer
-    equals the reference (the `math` reward, math-verify; plugin molt-reward-math)."""
+    """Single-turn math: task i is row i (mod len) of `split` ("train" | "test") of a local JSONL
+    file of {"prompt", "answer"} rows (e.g. DAPO-Math-17k converted once, offline); a row's
+    "split" field places it, else a hash of its prompt puts `test_fraction` of the rows in test.
+    Reward 1 if the reply's \\boxed{} answer equals the reference (the `math` reward, math-verify;
+    plugin molt-reward-math)."""
 
     boxed = True          # the reply must box its answer
-    def __init__(self, data: str, instruction: str = "") -> None:
-        self.rows, self.instruction = _rows(data), instruction
+    def __init__(self, *, data: str, instruction: str = "", split: str = "train",
+                 test_fraction: float = 0.1) -> None:
+        self.rows, self.instruction = _split(data, split, test_fraction), instruction
 
     async def reset(self, seed: int) -> Observation:
         self.row = self.rows[seed % len(self.rows)]
