@@ -3,7 +3,7 @@
 
 Both batch-filter steps run in `molt_filter_batch` because only trajectories know lengths
 (estimators receive rewards only): overlong shaping first (`dapo.overlong_buffer` = Lcache > 0),
-r += factor * r_len, r_len = 0 if L <= Lmax - Lcache, (Lmax - Lcache - L) / Lcache inside the
+L: the rollout's longest engine response (`response_length`), r += factor * r_len, r_len = 0 if L <= Lmax - Lcache, (Lmax - Lcache - L) / Lcache inside the
 buffer, -1 beyond Lmax; then dynamic sampling (on with estimator `dapo`): a group whose rewards
 are all equal has no gradient and is replaced by groups from `refill`. Options: the recipe's
 `dapo:` section (`DapoConfig`); counters: `dapo/*`.
@@ -11,6 +11,7 @@ are all equal has no gradient and is replaced by groups from `refill`. Options: 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ from molt_core.algos import clipped_surrogate, group_stats
 from molt_core.config import Config, ConfigError
 from molt_core.trajectory import Trajectory
 
-__all__ = ["DapoConfig", "DynamicSampler", "dapo_advantages", "dapo_loss", "overlong_penalty"]
+__all__ = ["DapoConfig", "DynamicSampler", "dapo_advantages", "dapo_loss", "overlong_penalty",
+           "response_length"]
 
 Groups = list[list[Trajectory]]
 
@@ -33,7 +35,7 @@ class DapoConfig:
     dynamic_sampling: bool | None = None    # None: on when algorithm.estimator is dapo
     max_refill_rounds: int = 10             # refill calls per step before giving up
     overlong_buffer: int = 0                # Lcache in tokens; 0 = no overlong shaping
-    max_length: int = 0                     # Lmax in tokens; 0 = sampling.max_new_tokens
+    max_length: int = 0                     # Lmax of one response; 0 = sampling.max_new_tokens
     overlong_penalty_factor: float = 1.0
 
 
@@ -62,6 +64,13 @@ def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
     return -1.0
 
 
+def response_length(traj: Trajectory) -> int:
+    """Tokens of the longest engine response, as `sampling.max_new_tokens` caps each call (one
+    turn): a run of sampled tokens (version >= 0, kept when `filter_stale` masks them)."""
+    runs = itertools.groupby(v >= 0 for v in traj.versions)
+    return max((len(list(g)) for sampled, g in runs if sampled), default=0)
+
+
 class DynamicSampler:
     """The per-run state of DAPO's batch filter (built by `molt_configure`)."""
 
@@ -75,7 +84,7 @@ class DynamicSampler:
             return
         for traj in (t for g in groups for t in g if "overlong_penalty" not in t.info):
             pen = self.opts.overlong_penalty_factor * overlong_penalty(
-                traj.num_trainable, self.max_length, self.opts.overlong_buffer)
+                response_length(traj), self.max_length, self.opts.overlong_buffer)
             traj.info["overlong_penalty"] = pen
             traj.reward += pen
             self.stats["dapo/overlong_penalized"] += pen < 0

@@ -135,3 +135,33 @@ def test_configure_validates_and_the_hooks_use_the_run_state():
     metrics = {}
     molt_dapo.molt_on_step_end(0, metrics)
     assert metrics["dapo/groups_dropped"] == 1.0 and metrics["dapo/refill_rounds"] == 1.0
+
+
+def test_overlong_length_is_one_engine_response_not_the_turns_total():
+    """Lmax (default sampling.max_new_tokens) caps each engine call: 3 turns x 6 tokens with a
+    cap of 8 ran into no limit, while one 8-token turn among short ones did."""
+    sampler = DynamicSampler(DapoConfig(overlong_buffer=2), 8, False)
+    turns = [Trajectory(), Trajectory()]
+    for t, lengths in zip(turns, ([6, 6, 6], [2, 8, 2])):
+        t.add_prompt([1, 2])
+        for n in lengths:
+            t.add_completion(Completion([3] * n, [-0.5] * n, [0] * n,
+                                        "length" if n == 8 else "stop"))
+            t.add_prompt([4])                               # the env's reply
+        t.reward = 1.0
+    sampler.shape([turns])
+    assert [t.reward for t in turns] == [1.0, 0.0]
+
+
+def test_stale_tokens_masked_do_not_shorten_the_overlong_length():
+    from collections import Counter
+
+    from molt_core.rollout.generator import filter_stale
+    t = Trajectory()
+    t.add_prompt([1, 2])
+    t.add_completion(Completion([3] * 8, [-0.5] * 8, [0] * 5 + [3] * 3, "length"))
+    t.reward = 1.0
+    groups = filter_stale([[t]], version=3, max_staleness=1, mode="mask", counters=Counter())
+    assert groups[0][0].num_trainable == 3                  # 5 stale tokens masked
+    DynamicSampler(DapoConfig(overlong_buffer=2), 8, False).shape(groups)
+    assert t.reward == 0.0                                  # the 8 sampled tokens hit Lmax
