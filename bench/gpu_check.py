@@ -227,7 +227,8 @@ def train_flops(config: Any, geo: dict, lora: bool) -> float:
                         config.num_key_value_heads, config.head_dim)
     attn = d * hd * (2 * heads + 2 * kv)
     if getattr(config, "num_experts", 0):       # the router and the k experts a token uses
-        mlp = d * (config.num_experts + config.num_experts_per_tok * 3 * config.moe_intermediate_size)
+        k, inner = config.num_experts_per_tok, config.moe_intermediate_size
+        mlp = d * (config.num_experts + k * 3 * inner)
     else:
         mlp = 3 * d * config.intermediate_size
     L, g, P, C = config.num_hidden_layers, geo["group_size"], geo["prompt"], geo["new"]
