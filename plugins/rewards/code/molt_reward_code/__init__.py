@@ -11,12 +11,13 @@ The sandbox is built from what the OS offers (`isolation()`; `info["isolation"]`
 - always: rlimits (address space per process, CPU seconds, file size, no core dumps), a wall-clock
   timeout, an empty environment, `python -I`, a temp work dir deleted afterwards.
 
-A harness runs the code, then the tests statement by statement, and reports over an inherited pipe
-(with a nonce read from another): 1.0 only if it reported completing every test; exiting early
-(`sys.exit(0)`, `os._exit(0)`) or killing itself fails.
+Threat model: the program's process (its frames, gc, memory, fds) is the program's to forge, so
+it holds no verdict: it runs the code, then answers requests. A judge process outside its
+namespaces runs the tests itself, the program's names bound to handles that get data back.
+1.0 only if the judge ran every test statement; exiting early or dying fails.
 
-Not protected against: a program that reads the nonce from the harness's frames or memory (they
-share the interpreter: `sys._getframe(1).f_locals`, gc) could forge a pass; without root, the
+Not protected against: without a PID namespace the judge (same uid) is in the program's reach;
+a test's values reach the program only as arguments to its objects. Without root, the
 filesystem and uid layers are missing (the program can read and write what the caller's user can,
 RLIMIT_NPROC is unset), and without cgroups memory is bounded per process only (processes x
 `memory_mb`). Files outside the home directories (e.g. /etc) stay readable. No kernel-exploit guard.
@@ -104,34 +105,101 @@ if cfg["uid"] is not None:
 os.execv(cfg["python"], [cfg["python"], "-I", "-B", "harness.py", *cfg["fds"]])
 """
 
-# The program's interpreter: the code, then the tests one statement at a time, reported over a
-# pipe by this process only; what runs after the code is bound first (the code may patch builtins).
-_HARNESS = """
-import ast, os, sys
-def main(run=exec, items=enumerate, write=os.write, pid=os.getpid):
-    out, nonce_fd = (int(a) for a in sys.argv[1:3])
-    nonce = os.read(nonce_fd, 64).decode()
-    os.close(nonce_fd)
-    me = pid()
-    def report(msg):
-        if pid() == me:
-            write(out, f"{nonce} {msg}\\n".encode())
-    tests = [compile(ast.Module([stmt], []), "tests.py", "exec")
-             for stmt in ast.parse(open("tests.py").read()).body]
-    ns = {"__name__": "__main__"}
+# Values between the two interpreters: tagged trees of literals; any other object stays with the
+# program, and the judge gets a handle ("r", n) it can use only by sending requests.
+_CODEC = """
+import ast, collections, os, sys
+KINDS = {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}
+def enc(v, ref):
+    if v is None or type(v) in (bool, int, str, bytes):
+        return ("v", v)
+    if isinstance(v, float):
+        return ("f", repr(float(v)))
+    if isinstance(v, tuple) and hasattr(v, "_fields"):
+        return ("nt", (type(v).__name__, v._fields, [enc(x, ref) for x in v]))
+    if isinstance(v, dict):
+        return ("dict", [(enc(k, ref), enc(x, ref)) for k, x in v.items()])
+    kind = next((k for k, t in KINDS.items() if isinstance(v, t)), None)
+    return (kind, [enc(x, ref) for x in v]) if kind else ("r", ref(v))
+def dec(v, unref):
+    kind, x = v
+    if kind == "dict":
+        return {dec(k, unref): dec(y, unref) for k, y in x}
+    if kind in KINDS:
+        return KINDS[kind](dec(y, unref) for y in x)
+    if kind == "nt":
+        return collections.namedtuple(*x[:2])(*(dec(y, unref) for y in x[2]))
+    return {"v": lambda x: x, "f": float, "r": unref}[kind](x)
+"""
+
+# The program's interpreter: the code, its names, then an answer to each of the judge's requests.
+_PROGRAM = _CODEC + """
+req, resp = os.fdopen(int(sys.argv[1])), os.fdopen(int(sys.argv[2]), "w", buffering=1)
+objs, ns, literal = [], {"__name__": "__main__"}, ast.literal_eval
+ref = lambda v: objs.append(v) or len(objs) - 1
+exec(compile(open("solution.py").read(), "solution.py", "exec"), ns)
+print(repr({k: enc(v, ref) for k, v in ns.items() if not k.startswith("__")}), file=resp)
+ops = {"call": lambda o, *a, **k: o(*a, **k), "getattr": getattr, "getitem": lambda o, k: o[k],
+       "iter": list, "len": len, "bool": bool, "str": str, "eq": lambda o, x: o == x,
+       "contains": lambda o, x: x in o}
+for line in req:
     try:
-        run(compile(open("solution.py").read(), "solution.py", "exec"), ns)
-        for i, test in items(tests):
-            run(test, ns)
-            report(f"ok {i}")
-    except SystemExit:
-        report("exit")
-        raise
-    except BaseException:
-        report("error")
-        raise           # whatever is raised here ends main before "done"
-    report(f"done {len(tests)}")
-main()
+        op, obj, args, kwargs = dec(literal(line), objs.__getitem__)
+        out = ("ok", enc(ops[op](obj, *args, **kwargs), ref))
+    except Exception as e:
+        out = ("err", type(e).__name__, str(e))
+    print(repr(out), file=resp)
+"""
+
+# The tests' interpreter, out of the program's reach: it runs each test statement itself, with the
+# program's names (but not over builtins) bound to handles; it says "ok" after each.
+_JUDGE = _CODEC + """
+import builtins, contextlib, functools, resource
+resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[3]),) * 2)
+say, sys.stdout = functools.partial(print, file=sys.stdout, flush=True), sys.stderr
+req, resp = open(int(sys.argv[1]), "w", buffering=1), open(int(sys.argv[2]))
+Gone = type("Gone", (BaseException,), {})      # not an Exception: a test's `except` cannot hide it
+def ref(v):
+    if not isinstance(v, Remote):
+        raise TypeError(f"a test can pass the program only data or its own objects, not {v!r}")
+    return v._ref
+def reply():
+    if not (line := resp.readline()):
+        resp.close()
+        raise Gone
+    return ast.literal_eval(line)
+def ask(obj, op, *args, **kwargs):
+    with contextlib.suppress(BrokenPipeError):
+        print(repr(enc((op, obj, args, kwargs), ref)), file=req)
+    kind, *out = reply()
+    if kind == "ok":
+        return dec(out[0], Remote)
+    cls = getattr(builtins, out[0], None)
+    raise cls(out[1]) if isinstance(cls, type) and issubclass(cls, Exception) else \\
+        RuntimeError(": ".join(out))
+class Remote:
+    def __init__(self, ref):
+        self._ref = ref
+    def __getattr__(self, name):
+        return ask(self, "getattr", name)
+    def __eq__(self, other):
+        return ask(self, "eq", other) if isinstance(other, Remote) else NotImplemented
+    __hash__ = object.__hash__
+    __iter__ = lambda self: iter(ask(self, "iter"))
+for op in ("call", "getitem", "len", "bool", "str", "contains"):
+    setattr(Remote, f"__{op}__", functools.partialmethod(ask, op))
+try:
+    tests = ast.parse(sys.stdin.read()).body
+    ns = {k: dec(v, Remote) for k, v in reply().items() if k not in vars(builtins)}
+    ns["__name__"] = "__main__"
+    for stmt in tests:
+        exec(compile(ast.Module([stmt], []), "tests.py", "exec"), ns)
+        say("ok")
+    say("gone" if resp.closed else "done")
+except Gone:
+    say("gone")
+except BaseException as e:
+    say("fail", f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
 """
 
 
@@ -222,7 +290,7 @@ def code_reward(response: str, answer: str, *, timeout_s: float = 5.0, memory_mb
     python = os.path.realpath(sys.executable)
     with tempfile.TemporaryDirectory(prefix="molt_code_") as tmp:
         d = Path(tmp)
-        for name, text in (("solution.py", code), ("tests.py", answer), ("harness.py", _HARNESS)):
+        for name, text in (("solution.py", code), ("harness.py", _PROGRAM)):
             (d / name).write_text(text)
         uid = 100_000 + secrets.randbelow(1_000_000) if "own_uid" in layers else None
         if uid is not None:
@@ -238,36 +306,32 @@ def code_reward(response: str, answer: str, *, timeout_s: float = 5.0, memory_mb
         setup = {"work": str(d), "mounts": "mount_ns" in layers, "hide": hide, "keep": keep,
                  "reaper": "pid_ns" in layers, "rlimits": rlimits, "uid": uid, "python": python}
         t0 = time.perf_counter()
-        rc, timed_out, memory_hit, mine = _launch(d, setup, layers, timeout_s, memory_mb,
-                                                  max_processes)
+        rc, timed_out, memory_hit, verdict = _launch(d, setup, answer, layers, timeout_s,
+                                                     memory_mb, max_processes)
         stdout = (d / "stdout").read_bytes()[-4096:].decode(errors="replace")
         stderr = (d / "stderr").read_bytes()[-4096:].decode(errors="replace")
+    lines = verdict.split("\n")
+    passed = next(i for i, line in enumerate(lines + [""]) if line != "ok")
+    status, _, failure = "\n".join(lines[passed:]).strip().partition(" ")
     info = {"returncode": rc, "seconds": round(time.perf_counter() - t0, 3), "stdout": stdout,
             "stderr": stderr, "network_isolated": "net_ns" in layers,
-            "isolation": sorted(layers), "tests_passed": sum(m.startswith("ok ") for m in mine)}
-    done = any(m.startswith("done ") for m in mine)
-    reason = _reason(rc, timed_out, stderr, memory_hit, done,
-                     early="exit" in mine or (rc == 0 and not done))
-    info["reason"] = reason
+            "isolation": sorted(layers), "tests_passed": passed}
+    info["reason"] = reason = _reason(rc, timed_out, stderr + failure, memory_hit, status)
     if reason == "failed":
         lines = stderr.strip().splitlines()
-        info["error"] = lines[-1] if lines else f"exit code {rc}"
+        info["error"] = failure or (lines[-1] if lines else f"exit code {rc}")
     return float(reason == "passed"), info
 
 
-def _launch(d: Path, setup: dict, layers: set[str], timeout_s: float, memory_mb: int,
-            max_processes: int) -> tuple[int, bool, bool, list[str]]:
-    """Run the harness in `d` under `setup`, in the namespaces and cgroups `layers` allows
-    (cgroups that cannot be made are dropped from `layers`): (exit code, timed out, memory limit
-    hit, the harness's reports that carry this run's nonce)."""
-    results_r, results_w = os.pipe()
-    nonce_r, nonce_w = os.pipe()
-    nonce = secrets.token_hex(16)
-    os.write(nonce_w, nonce.encode())
-    os.close(nonce_w)
+def _launch(d: Path, setup: dict, tests: str, layers: set[str], timeout_s: float,
+            memory_mb: int, max_processes: int) -> tuple[int, bool, bool, str]:
+    """Run the program in `d` under `setup`, in the namespaces and cgroups `layers` allows
+    (cgroups that cannot be made are dropped from `layers`), and the judge of `tests` beside it:
+    (the program's exit code, timed out, memory limit hit, the judge's verdict lines)."""
+    req_r, req_w = os.pipe()
+    resp_r, resp_w = os.pipe()
     python, user = setup["python"], [] if os.geteuid() == 0 else ["-r"]
-    fds = {"fds": [str(results_w), str(nonce_r)]}
-    argv = [python, "-I", "-c", _SETUP, json.dumps({**setup, **fds})]
+    argv = [python, "-I", "-c", _SETUP, json.dumps({**setup, "fds": [str(req_r), str(resp_w)]})]
     if "pid_ns" in layers:
         argv = ["unshare", *user, "--pid", "--fork", "--kill-child", "--mount-proc",
                 *(["-n"] if "net_ns" in layers else []), *argv]
@@ -280,55 +344,56 @@ def _launch(d: Path, setup: dict, layers: set[str], timeout_s: float, memory_mb:
         except OSError:          # e.g. a controller gone read-only: run without, and say so
             layers.discard("cgroup")
     launch = {"cgroups": [str(c) for c in cgroups.dirs] if cgroups else [], "argv": argv}
+    env = {"PATH": os.defpath, "PYTHONHASHSEED": "0"}
     try:
-        with open(d / "stdout", "wb") as out, open(d / "stderr", "wb") as err:
-            proc = subprocess.Popen([python, "-I", "-c", _LAUNCHER, json.dumps(launch)],
-                                    cwd=d, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    env={"PATH": os.defpath, "PYTHONHASHSEED": "0"},
-                                    start_new_session=True, pass_fds=(results_w, nonce_r))
-            os.close(results_w)
-            os.close(nonce_r)
+        with open(d / "stdout", "wb") as out, open(d / "stderr", "wb") as err, \
+                tempfile.TemporaryFile() as test_file, tempfile.TemporaryFile("w+") as verdict:
+            test_file.write(tests.encode())
+            test_file.seek(0)
+            procs = [subprocess.Popen([python, "-I", "-c", _JUDGE, str(req_w), str(resp_r),
+                                       str(memory_mb * 2**20)], stdin=test_file, stdout=verdict,
+                                      stderr=subprocess.DEVNULL, env=env, start_new_session=True,
+                                      pass_fds=(req_w, resp_r)),
+                     subprocess.Popen([python, "-I", "-c", _LAUNCHER, json.dumps(launch)],
+                                      cwd=d, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                      env=env, start_new_session=True, pass_fds=(req_r, resp_w))]
+            for fd in (req_r, req_w, resp_r, resp_w):
+                os.close(fd)
+            deadline, timed_out = time.monotonic() + timeout_s, False
             try:
-                rc = proc.wait(timeout=timeout_s)
-                timed_out = False
+                for proc in procs:       # the judge ends first, then the program (its input ends)
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 timed_out = True
             finally:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)   # --kill-child: the namespace dies
-            rc = proc.wait()
+                for proc in procs:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(proc.pid, signal.SIGKILL)   # --kill-child: the namespace dies
+            procs[0].wait()
+            rc = procs[1].wait()
+            verdict.seek(0)
+            lines = verdict.read()
         if "pid_ns" in layers and rc > 128:        # the reaper's 128 + signal
             rc = 128 - rc
         memory_hit = cgroups is not None and cgroups.memory_hit()
     finally:
         if cgroups is not None:
             cgroups.close()
-    reports = _read_all(results_r).decode(errors="replace").splitlines()
-    return rc, timed_out, memory_hit, [r.split(" ", 1)[1] for r in reports
-                                       if r.startswith(nonce + " ")]
+    return rc, timed_out, memory_hit, lines
 
 
-def _read_all(fd: int) -> bytes:
-    os.set_blocking(fd, False)
-    chunks = []
-    with contextlib.suppress(BlockingIOError):
-        while chunk := os.read(fd, 65536):
-            chunks.append(chunk)
-    os.close(fd)
-    return b"".join(chunks)
-
-
-def _reason(rc: int, timed_out: bool, stderr: str, memory_hit: bool, done: bool,
-            early: bool) -> str:
+def _reason(rc: int, timed_out: bool, stderr: str, memory_hit: bool, status: str) -> str:
+    if status == "done":
+        return "passed"
     if timed_out:
         return "timeout"
-    if rc == 0 and done:
-        return "passed"
     if memory_hit or "MemoryError" in stderr or "Cannot allocate memory" in stderr:
         return "memory_limit"
     if "BlockingIOError" in stderr or "Resource temporarily unavailable" in stderr:
         return "process_limit"
-    if early:
+    if status == "fail":
+        return "failed"
+    if rc == 0:
         return "early_exit"
     if rc in (-signal.SIGXCPU, -signal.SIGKILL) and "Traceback" not in stderr:
         return "cpu_time_limit" if rc == -signal.SIGXCPU else "killed_by_signal"

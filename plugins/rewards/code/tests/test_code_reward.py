@@ -175,3 +175,50 @@ def test_safe_from_worker_threads():
         results = list(pool.map(lambda i: code_reward(ADD, f"assert add({i}, 1) == {i + 1}"),
                                 range(4)))
     assert [r for r, _ in results] == [1.0] * 4
+
+
+_SCAN = """
+def scan(found):
+    for fd in range(3, 64):
+        for nonce in found:
+            try:
+                os.write(fd, nonce + b" done 1\\n")
+            except OSError:
+                pass
+    os._exit(0)
+"""
+FORGES = {
+    "getframe_report": "import os, sys\nsys._getframe(1).f_locals['report']('done 1')\nos._exit(0)",
+    "getframe_tests": "import sys\nsys._getframe(1).f_locals['tests'].clear()",
+    "traceback_f_back": "try:\n    raise ValueError\nexcept ValueError as e:\n"
+                        "    e.__traceback__.tb_frame.f_back.f_locals['tests'].clear()",
+    "inspect_stack": "import inspect, os\ninspect.stack()[1].frame.f_locals['report']('done 1')\n"
+                     "os._exit(0)",
+    "gc_report_closure": "import gc, os\n[f for f in gc.get_objects() if getattr(f, '__name__', '')"
+                         " == 'report'][0]('done 1')\nos._exit(0)",
+    "gc_tests_list": "import gc\nfor o in gc.get_objects():\n    if type(o) is list and o and all("
+                     "getattr(c, 'co_filename', '') == 'tests.py' for c in o):\n        o.clear()",
+    "gc_closure_cells": "import gc, os, re\n" + _SCAN + "cells = [o for o in gc.get_objects() "
+                        "if type(o).__name__ == 'cell']\nscan({c.cell_contents.encode() for c in "
+                        "cells if isinstance(getattr(c, 'cell_contents', 0), str)})",
+    "proc_self_mem": "import os, re\n" + _SCAN + """found = set()
+for line in open('/proc/self/maps'):
+    span, perms = line.split()[:2]
+    lo, hi = (int(x, 16) for x in span.split('-'))
+    if perms.startswith('r') and hi - lo < 2**26:
+        try:
+            with open('/proc/self/mem', 'rb', 0) as mem:
+                mem.seek(lo)
+                found |= set(re.findall(rb'(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])', mem.read(hi - lo)))
+        except (OSError, ValueError, OverflowError):
+            pass
+scan(found)""",
+}
+
+
+@pytest.mark.parametrize("forge", FORGES)
+def test_forging_a_pass_from_inside_the_program_scores_zero(forge):
+    """Issue 25: the verdict cannot be forged from the program's own process (frames, gc,
+    its memory, every fd it holds); the tests are `assert False`."""
+    reward, info = code_reward(FORGES[forge], "assert False")
+    assert reward == 0.0 and info["tests_passed"] == 0, info
