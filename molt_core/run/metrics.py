@@ -98,7 +98,10 @@ class MetricsSink:
                     os.truncate(path, end)
                 raise RunDirError(f"cannot append step {step} to {path}: {e}. Free space or fix "
                                   f"the run directory, {resume_hint(Path(path).parent)}") from e
-        numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+        # not the wall-clock `time`: each sink stamps its own, and MLflow's file store cannot hold
+        # a metric `time` beside the `time/*` ones
+        numbers = {k: v for k, v in row.items()
+                   if isinstance(v, (int, float)) and k not in ("step", "time")}
         for sink in self.sinks:
             sink.log(step, numbers)
         if "reward/mean" not in row:          # a held-out evaluation row (molt_core.rollout.eval)

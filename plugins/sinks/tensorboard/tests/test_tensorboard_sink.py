@@ -1,22 +1,20 @@
-"""The TensorBoard sink round-trips metrics: read back with TensorBoard's own event reader."""
+"""The TensorBoard sink round-trips a real run's metrics (and its resume, in the same log dir):
+read back with TensorBoard's own event reader."""
 
 from __future__ import annotations
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from molt_core.config import Config
-from molt_core.plugins import build_plugins
-
-ROWS = [{"reward/mean": 0.25, "time/step_s": 1.5}, {"reward/mean": 0.75, "time/step_s": 1.25}]
+from real_runs import history
 
 
-def test_tensorboard_sink_round_trips(tmp_path):
-    sink = build_plugins().get("metric_sink", "tensorboard")(tmp_path, Config())
-    for step, row in enumerate(ROWS):
-        sink.log(step, row)
-    sink.close()
-    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+def test_a_real_run_and_its_resume_read_back(sink_run):
+    acc = EventAccumulator(str(sink_run / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
-    for key in ROWS[0]:
-        assert [(e.step, e.value) for e in acc.Scalars(key)] == [(s, r[key])
-                                                                 for s, r in enumerate(ROWS)]
+    expected = history(sink_run)
+    assert set(acc.Tags()["scalars"]) == set(expected)
+    for key, want in expected.items():
+        got = [(e.step, e.value) for e in acc.Scalars(key)]
+        assert [s for s, _ in got] == [s for s, _ in want], key
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6), key

@@ -1,5 +1,6 @@
-"""The W&B sink in offline mode (no network) round-trips metrics: the run's `.wandb` file is read
-back record by record (LevelDB log framing of W&B's protobuf records)."""
+"""The W&B sink in offline mode (no network) round-trips a real run's metrics, and `--resume`
+continues the same W&B run: each `.wandb` file is read back record by record (LevelDB log
+framing of W&B's protobuf records)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ from wandb.proto import wandb_internal_pb2 as pb
 from molt_core.config import Config
 from molt_core.plugins import build_plugins
 from molt_sink_wandb import WandbConfig
-
-ROWS = [{"reward/mean": 0.25, "time/step_s": 1.5}, {"reward/mean": 0.75, "time/step_s": 1.25}]
+from real_runs import history
 
 
 def records(path: Path) -> list:
@@ -33,29 +33,46 @@ def records(path: Path) -> list:
     return out
 
 
-def test_wandb_offline_sink_round_trips(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = Config()
-    cfg.plugins = {"wandb": WandbConfig(project="p")}
-    sink = build_plugins().get("metric_sink", "wandb")(tmp_path, cfg)
-    for step, row in enumerate(ROWS):
-        sink.log(step, row)
-    sink.close()
-    (path,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
-    # W&B's service process may still be flushing the file after `finish` returns (seen once in
-    # the full suite: no history records yet); read until the rows are there, or give up
+def read_run(path: Path, rows: int) -> tuple[list, list]:
+    """(records, [(step, {key: value})]); W&B's service process may still be flushing the file
+    after `finish` returns (seen once in the full suite), so read until `rows` are there."""
     for _ in range(300):
         try:
             recs = records(path)
         except DecodeError:          # a record still being written
             recs = []
-        history = [(r.history.step.num, {i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                                            for i in r.history.item})
-                   for r in recs if r.WhichOneof("record_type") == "history"]
-        if len(history) >= len(ROWS):
-            break
+        steps = [(r.history.step.num, {k: v for k, v in (
+                     (i.key or "/".join(i.nested_key), json.loads(i.value_json))
+                     for i in r.history.item) if not k.startswith("_")})
+                 for r in recs if r.WhichOneof("record_type") == "history"]
+        if len(steps) >= rows:
+            return recs, steps
         time.sleep(0.1)
-    assert [(s, {k: v for k, v in h.items() if not k.startswith("_")}) for s, h in history] == \
-        list(enumerate(ROWS))
-    run = next(r.run for r in recs if r.WhichOneof("record_type") == "run")
-    assert run.project == "p" and run.display_name == tmp_path.name
+    return recs, steps
+
+
+def test_a_real_run_and_its_resume_are_one_wandb_run(sink_run):
+    first, second = sorted(sink_run.glob("wandb/offline-run-*/run-*.wandb"))
+    (rec1, steps1), (rec2, steps2) = read_run(first, 3), read_run(second, 2)
+    runs = [next(r.run for r in recs if r.WhichOneof("record_type") == "run")
+            for recs in (rec1, rec2)]
+    assert {r.run_id for r in runs} == {(sink_run / "wandb-run-id").read_text()}
+    assert all(r.project == "from-env" and r.display_name == sink_run.name for r in runs)
+    got: dict = {}
+    for step, items in steps1 + steps2:
+        for k, v in items.items():
+            got.setdefault(k, []).append((step, v))
+    assert got == history(sink_run)
+
+
+def test_the_recipe_beats_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_PROJECT", "from-env")
+    cfg = Config()
+    cfg.plugins = {"wandb": WandbConfig(project="p")}
+    sink = build_plugins().get("metric_sink", "wandb")(tmp_path, cfg)
+    sink.log(0, {"reward/mean": 0.25})
+    sink.close()
+    (path,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    recs, _ = read_run(path, 1)
+    assert next(r.run for r in recs if r.WhichOneof("record_type") == "run").project == "p"

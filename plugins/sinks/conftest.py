@@ -1,0 +1,25 @@
+"""One real run for every shipped sink's test: the toy recipe logging to all three sinks for 3
+steps, then `molt run --resume` to 5 (W&B project and MLflow experiment from their environment
+variables; the recipe sets neither)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from molt_tools.tiny import CHARSET, build_tiny_model
+from real_runs import molt, real_run
+
+ENV = {"WANDB_PROJECT": "from-env", "WANDB_SILENT": "true", "MLFLOW_EXPERIMENT_NAME": "env-exp"}
+
+
+@pytest.fixture(scope="session")
+def sink_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("sink-run")
+    model = build_tiny_model(root / "tiny", "qwen3", charset=CHARSET)
+    run = real_run(root, model, "log.sinks=[tensorboard,wandb,mlflow]", "trainer.steps=3",
+                   env=ENV)
+    resumed = molt("run", "--resume", str(run), "trainer.steps=5", "--no-progress", env=ENV)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return run
