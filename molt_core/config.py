@@ -249,7 +249,10 @@ def from_dict(cls: type, data: Any, where: str = "") -> Any:
     for key, value in data.items():
         path = f"{where}.{key}" if where else str(key)
         if key not in names:
-            raise ConfigError(f"unknown config key '{path}'; valid keys here: {', '.join(names)}")
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f". Did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown config key '{path}'; valid keys here: {', '.join(names)}"
+                              + hint)
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = from_dict(tp, value if value is not None else {}, path)

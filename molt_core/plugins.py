@@ -69,10 +69,11 @@ class Plugins:
         if name not in entries:
             valid = ", ".join(sorted(entries)) or "(none)"
             hint = f"; blocked plugins: {', '.join(self.blocked)}" if self.blocked else ""
-            dist = f"molt-{kind.replace('_', '-')}-{name}"
-            raise PluginError(f"unknown {kind} '{name}'; valid: {valid}{hint}. Install the plugin "
-                              f"that provides it (e.g. pip install {dist}) or fix the name in "
-                              "the recipe")
+            close = difflib.get_close_matches(name, entries, n=1)
+            fix = f"Did you mean '{close[0]}'?" if close else (
+                f"Install the plugin that provides it (e.g. pip install molt-"
+                f"{kind.replace('_', '-')}-{name}) or fix the name in the recipe")
+            raise PluginError(f"unknown {kind} '{name}'; valid: {valid}{hint}. {fix}")
         return entries[name]
 
     def selection_overrides(self) -> list[str]:
