@@ -15,6 +15,10 @@ Transports (`trainer.weight_sync_transport`):
   turn while the engines copy the other one into their weights (`receive_shm(path, nbytes,
   metas, version)`), so packing bucket k+1 overlaps loading bucket k; both sides map each file
   once, and it is unlinked after its first push (nothing is left behind in /dev/shm).
+
+Checksums: the sender sums each tensor's bytes as it sends them (`checksums`); an engine that
+returns the same sums of what it received or loaded from `finish_weight_update` is checked
+against them, and a parameter whose bytes differ is a `WeightMismatchError`.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ import ray
 import torch
 import torch.distributed as dist
 
-__all__ = ["Meta", "ShmChannel", "WeightGroup", "WeightSyncError", "connect", "pack", "push",
-           "send", "unpack"]
+__all__ = ["Meta", "ShmChannel", "WeightGroup", "WeightMismatchError", "WeightSyncError",
+           "checksums", "connect", "pack", "push", "send", "unpack"]
 
 Meta = tuple[str, str, list[int], int]          # name, dtype ("float32"), shape, byte offset
 _ALIGN = 64
@@ -42,6 +46,10 @@ _SHM = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 class WeightSyncError(RuntimeError):
     """A trainer rank or an engine failed during a weight push."""
+
+
+class WeightMismatchError(WeightSyncError):
+    """An engine holds other weights than the trainer sent (checksum or canary)."""
 
 
 def push(workers: list, engines: list, version: int, bucket_bytes: int, timeout_s: float,
@@ -60,8 +68,8 @@ def push(workers: list, engines: list, version: int, bucket_bytes: int, timeout_
             ray.get(done)
         except ray.exceptions.RayTaskError as e:
             rank = refs.index(done[0])
-            if isinstance(e.cause, TimeoutError):
-                raise TimeoutError(f"trainer rank {rank}: {e.cause}") from None
+            if isinstance(e.cause, (TimeoutError, WeightMismatchError)):
+                raise type(e.cause)(f"trainer rank {rank}: {e.cause}") from None
             raise WeightSyncError(f"weight push of version {version} failed on trainer rank "
                                   f"{rank}: {e.cause!r}") from e
         except ray.exceptions.RayError as e:
@@ -79,9 +87,11 @@ def send(named: Iterable[tuple[str, torch.Tensor]], engines: list, version: int,
     `ShmChannel`), then finish."""
     t0 = time.perf_counter()
     total, buckets, bucket, size = 0, 0, [], 0
+    sent: dict[str, tuple[int, int]] = {}       # name -> (bucket, checksum)
 
     def flush() -> None:
         what = f"bucket {buckets}, version {version}"
+        sent.update((n, (buckets, c)) for (n, _), c in zip(bucket, checksums(bucket)))
         if isinstance(group, ShmChannel):
             slot = buckets % 2
             _wait(group.loading[slot], engines, timeout_s, f"receive_shm ({what})")
@@ -119,9 +129,18 @@ def send(named: Iterable[tuple[str, torch.Tensor]], engines: list, version: int,
             _wait(group.loading[slot], engines, timeout_s, f"receive_shm (version {version})")
             group.loading[slot] = []
         group.unlink()
-    _wait([e.finish_weight_update.remote(version) for e in engines], engines, timeout_s,
-          f"finish_weight_update (version {version})")
-    return {"bytes": total, "buckets": buckets, "seconds": time.perf_counter() - t0}
+    got = _wait([e.finish_weight_update.remote(version) for e in engines], engines, timeout_s,
+                f"finish_weight_update (version {version})")
+    for i, sums in enumerate(got):      # None: an engine that keeps no checksums
+        bad = [n for n, c in (sums or {}).items() if n in sent and sent[n][1] != c]
+        if bad:
+            raise WeightMismatchError(
+                f"weight sync of version {version}: engine {i} ({engines[i]}) holds other bytes "
+                f"than trainer rank 0 sent for {len(bad)} parameter(s), first '{bad[0]}' of "
+                f"bucket {sent[bad[0]][0]} (checksum {sums[bad[0]]}, sent {sent[bad[0]][1]}): the "
+                "transport or the engine's load changed them")
+    return {"bytes": total, "buckets": buckets, "seconds": time.perf_counter() - t0,
+            "checksums": {n: c for n, (_, c) in sent.items()}}
 
 
 def connect(engines: list, timeout_s: float, transport: str = "broadcast"
@@ -301,6 +320,17 @@ def unpack(flat: torch.Tensor, metas: list[Meta]) -> list[tuple[str, torch.Tenso
     """Views of `flat` [bytes] as the tensors `metas` describe (no copy)."""
     return [(name, flat[off:off + nbytes(dt, shape)].view(getattr(torch, dt)).view(shape))
             for name, dt, shape, off in metas]
+
+
+def checksums(named: list[tuple[str, torch.Tensor]]) -> list[int]:
+    """Per tensor: its bytes as int64 words (and the tail bytes) summed modulo 2**64, exact on
+    any device and in any reduction order; one pass over memory, one device sync."""
+    out = []
+    for _, t in named:
+        b = t.detach().reshape(-1).view(torch.uint8)
+        b, n = b if b.storage_offset() % 8 == 0 else b.clone(), len(b) // 8 * 8
+        out.append(b[:n].view(torch.int64).sum() + b[n:].sum())
+    return torch.stack(out).tolist() if out else []
 
 
 def nbytes(dtype: str, shape: list[int]) -> int:

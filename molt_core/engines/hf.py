@@ -153,7 +153,7 @@ class HFEngine:
         """A bucket that fails validation copies nothing (the update stays open)."""
         self._bind_loop()
         if self._update_version is None:
-            self._update_version, self._updated = version, set()
+            self._update_version, self._updated, self._sums = version, set(), {}
             self._can_run.clear()
         elif version != self._update_version:
             raise RuntimeError(f"weight bucket for version {version} arrived while the update to "
@@ -178,6 +178,8 @@ class HFEngine:
 
     async def join_weight_group(self, host: str, port: int, rank: int, world_size: int,
                                 backend: str, timeout_s: float) -> None:
+        names = [n for n, _ in named_tensors]      # what the parameters now hold
+        self._sums.update(zip(names, weight_sync.checksums([(n, self._params[n]) for n in names])))
         self._group = await asyncio.to_thread(weight_sync.WeightGroup, host, port, rank,
                                               world_size, backend, timeout_s)
 
@@ -198,7 +200,8 @@ class HFEngine:
                 del maps[next(iter(maps))]
         await self.update_weights(weight_sync.unpack(maps[path], metas), version)
 
-    async def finish_weight_update(self, version: int) -> None:
+    async def finish_weight_update(self, version: int) -> dict[str, int]:
+        """The update's checksums of each assigned parameter (`weight_sync.send` checks them)."""
         if self._update_version != version:
             raise RuntimeError(f"finish_weight_update({version}) but the update in progress is "
                                f"{self._update_version}")
@@ -219,6 +222,22 @@ class HFEngine:
 
     async def set_rng_state(self, state: torch.Tensor) -> None:
         self.generator.set_state(state)
+        return self._sums
+
+    async def weight_checksums(self) -> dict[str, int]:
+        """`weight_sync.checksums` of every parameter as it is now (names a corrupted one)."""
+        return dict(zip(self._canonical.values(), weight_sync.checksums(
+            [(n, self._params[n]) for n in self._canonical.values()])))
+
+    async def score(self, token_ids: list[int]) -> list[float]:
+        """Log-probs of token_ids[1:] after their prefixes at temperature 1: the weight-sync
+        canary (`EngineRestarts.check_canary`); the sampling RNG is untouched."""
+        ids = torch.tensor([token_ids], device=self.device)
+        with torch.no_grad(), moe.routing(self.model, mode="off"):
+            logits = self.model(input_ids=ids).logits[0, :-1].float()
+        if self._banned:
+            logits[:, self._banned] = -float("inf")
+        return logits.log_softmax(-1).gather(1, ids[0, 1:, None]).squeeze(1).tolist()
 
     async def get_version(self) -> int:
         return self._version

@@ -1,6 +1,11 @@
 """Engine restarts: a dead engine actor is replaced and loaded with the trainer's weights. The
 trainer hands `EngineRestarts` to the scheme as its `policy`, so a push that meets a dead engine
-is redone under the conditions the scheme pushed under (requests held, engines paused)."""
+is redone under the conditions the scheme pushed under (requests held, engines paused).
+
+Verified syncs: a push whose checksums differ (`weight_sync.WeightMismatchError`), and after a
+sync a canary whose log-probs differ (each engine's `score` of a fixed text against the trainer's,
+`check.canary_every`), are counted (`faults/weight_sync_mismatches`) and pushed once more; a
+second mismatch is the error, naming the engine, the parameter where it can and the gap."""
 
 from __future__ import annotations
 
@@ -11,10 +16,12 @@ import structlog
 
 from molt_core.config import Config
 from molt_core.run.cluster import spawn_engine
+from molt_core.trajectory import Trajectory
 
 __all__ = ["EngineDiedError", "EngineRestarts"]
 
 log = structlog.get_logger("molt.cluster")
+CANARY = "the quick brown fox jumps over the lazy dog; 1 + 2 = 3, (4 * 5) - 6 = 14."
 
 
 class EngineDiedError(RuntimeError):
@@ -32,14 +39,20 @@ class EngineRestarts:
         self.engines = generator.client.engines        # the run's list: replaced in place
         generator.on_engine_death(lambda dead: self.revive(dead, version()))
         generator.counters.setdefault("faults/engine_restarts", 0)
+        generator.counters.setdefault("faults/weight_sync_mismatches", 0)
+        self.sent: dict[str, int] = {}          # the last push's checksums, by parameter
 
     def __getattr__(self, name: str) -> Any:    # the rest of what a scheme asks of its policy
         return getattr(self.policy, name)
 
     def push_weights(self, engines: list[Any], version: int) -> Any:
-        from molt_core.weight_sync import WeightSyncError   # imports torch: not before prestart
+        from molt_core.weight_sync import WeightMismatchError, WeightSyncError   # imports torch
         try:
-            return self.policy.push_weights(engines, version)
+            return self._push(engines, version)
+        except WeightMismatchError as e:
+            log.warning("weight_sync_mismatch", error=str(e), version=version)
+            self.gen.counters["faults/weight_sync_mismatches"] += 1
+            return self._push(engines, version)
         except (WeightSyncError, ray.exceptions.RayActorError):
             dead = dict(self.gen.client.dead)
             for i, e in enumerate(self.engines):
@@ -70,3 +83,46 @@ class EngineRestarts:
         for i in dead:
             self.gen.client.dead.pop(i, None)
         self.gen.release_requests()
+
+    def _push(self, engines: list[Any], version: int) -> Any:
+        stats = self.policy.push_weights(engines, version)
+        self.sent.update((stats or {}).get("checksums", {}))
+        return stats
+
+    def check_canary(self, version: int) -> None:
+        """Every `check.canary_every` syncs: each engine's log-probs of `CANARY` are the
+        trainer's on the weights just pushed (`version`), within `check.consistency_tol`."""
+        from molt_core.trainer import logprob_gaps
+        from molt_core.weight_sync import WeightMismatchError, _wait
+        every, tol = self.cfg.check.canary_every, self.cfg.check.consistency_tol
+        if not every or version % every:
+            return
+        ids = list(self.gen.tokenizer(CANARY, add_special_tokens=False)["input_ids"])
+        engines = [e for e in self.engines if hasattr(e, "score")]
+        for attempt in (0, 1):
+            scores = _wait([e.score.remote(ids) for e in engines], engines,
+                           self.cfg.engine.timeout_s, "score (weight-sync canary)")
+            gaps = logprob_gaps(self.policy, [Trajectory(
+                token_ids=ids, loss_mask=[False] + [True] * len(s), logprobs=[0.0] + s,
+                versions=[-1] + [version] * len(s)) for s in scores], version, 1.0)
+            self.gen.counters["check/canary_max_abs"] = float(gaps.max())
+            bad = [i for i, g in enumerate(gaps.tolist()) if not g <= tol]     # NaN fails too
+            if not bad:
+                return
+            if attempt == 0:
+                log.warning("weight_sync_canary_mismatch", engines=bad, gap=float(gaps.max()))
+                self.gen.counters["faults/weight_sync_mismatches"] += 1
+                self.push_weights(self.engines, version)
+        i = bad[0]
+        where = "its bucket checksums matched the trainer's: the bytes arrived intact"
+        if hasattr(engines[i], "weight_checksums"):
+            now = ray.get(engines[i].weight_checksums.remote(), timeout=self.cfg.engine.timeout_s)
+            changed = [n for n, c in now.items() if self.sent.get(n, c) != c]
+            where = (f"its parameter '{changed[0]}' (and {len(changed) - 1} more) no longer "
+                     "holds the bytes trainer rank 0 sent" if changed else where)
+        raise WeightMismatchError(
+            f"weight sync of version {version}: engine {i} ({engines[i]}) scores the canary text "
+            f"up to {gaps[i]:.3g} away from the trainer's log-probs (check.consistency_tol={tol}),"
+            f" after a second push too; {where}. Likely causes: the engine's load or re-pack of "
+            "the weights (fused or MoE layouts, a partial load), a dtype or model config "
+            "difference between the two loads")
