@@ -1,6 +1,6 @@
 """Test plugin (`--plugin kill_plugin`, tests/ on PYTHONPATH): records the task ids each step
-trains, SIGKILLs its own driver or engine 0's process at a chosen point (as `kill -9` would), or
-fills the "disk"."""
+trains, SIGKILLs its own driver (with its trajectory writer: as a scheduler cancelling the job
+would) or engine 0's process at a chosen point (as `kill -9` would), or fills the "disk"."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+from pathlib import Path
 
 from molt_core import hookimpl
 
@@ -40,7 +41,16 @@ def molt_filter_batch(groups, step):
 def molt_on_step_end(step):
     _kill_engine("end", step)
     if step == int(os.environ.get("MOLT_TEST_KILL_AFTER_STEP", -1)):
+        if os.environ.get("MOLT_TEST_KILL_WRITER"):
+            import psutil
+            for child in psutil.Process().children():
+                if "trajectory_store" in " ".join(child.cmdline()):
+                    child.kill()
         os.kill(os.getpid(), signal.SIGKILL)
+    fill_at, _, leave = os.environ.get("MOLT_TEST_FILL_DISK_AT", "-1:").partition(":")
+    if step == int(fill_at):      # a real full disk (the run dir on a small tmpfs, `disk.py`)
+        from disk import fill
+        fill(Path(os.environ["MOLT_TEST_OUT_DIR"]), int(leave))
     if step == int(os.environ.get("MOLT_TEST_DISK_FULL_AT_STEP", -1)):
         # as a full disk would: files of the run can grow by 40 more bytes at most
         import resource

@@ -5,6 +5,7 @@ disk."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -181,3 +182,94 @@ def test_unwritable_checkpoint_dir_is_a_clear_error(tiny_chars_dir, tmp_path):
             ck.save(1)
     finally:
         ck.close()
+
+
+def test_killed_job_resumes_with_each_steps_trajectories_once_and_leaves_nothing(tiny_chars_dir,
+                                                                                 tmp_path):
+    """kill -9 of the driver and its trajectory writer after step 4 (as a scheduler cancelling
+    the job would; the checkpoint is at 3), then --resume: each of steps 0-7 saved exactly once
+    (those before the checkpoint were on disk when it was taken), and no Ray process or session
+    folder is left by either run."""
+    from collections import Counter
+
+    from molt_tools.view import read_trajectories
+
+    recipe = _recipe(tmp_path, tiny_chars_dir)
+    proc, ray_tmp = _popen("run", recipe, "trainer.steps=8", "trainer.save_every=3",
+                           "--plugin", "kill_plugin", "--no-progress",
+                           env={"MOLT_TEST_KILL_AFTER_STEP": "4", "MOLT_TEST_KILL_WRITER": "1"})
+    _, err = proc.communicate(timeout=900)
+    assert proc.returncode == -9, err[-3000:]
+    (run,) = (tmp_path / "runs").iterdir()
+    assert checkpoint.latest(run).name == "step_000003"
+    again, ray_tmp2 = _popen("run", "--resume", str(run), "--no-progress")
+    _, err = again.communicate(timeout=900)
+    assert again.returncode == 0, err[-3000:]
+    steps = Counter(r["step"] for r in read_trajectories(run))
+    assert sorted(steps.items()) == [(s, 16) for s in range(8)]
+    for tmp in (ray_tmp, ray_tmp2):
+        assert _left_behind(tmp) == []
+        assert os.listdir(tmp) == []       # Ray's session folder, its `session_latest` link
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    from disk import tmpfs
+
+    with tmpfs(tmp_path / "disk", "16m") as disk:
+        yield disk
+
+
+def test_disk_full_in_a_checkpoint_is_one_clear_error_and_keeps_the_earlier(tiny_chars_dir,
+                                                                            tmp_path, small_disk):
+    """The run dir on a 16 MB tmpfs, filled after step 2 to 200 kB free: DCP's write of
+    checkpoint 3 fails (a CheckpointException holding the ENOSPC, as a RuntimeError); one error
+    says what, where, how much space is left and what was kept; the temporary dir is gone and
+    checkpoints 1-2 are whole."""
+    recipe = _recipe(tmp_path, tiny_chars_dir)
+    proc, ray_tmp = _popen("run", recipe, "trainer.steps=6", "trainer.save_every=1",
+                           f"out_dir={small_disk / 'runs'}", "--plugin", "kill_plugin",
+                           "--no-progress", env={"MOLT_TEST_FILL_DISK_AT": "2:200000",
+                                                 "MOLT_TEST_OUT_DIR": str(small_disk)})
+    _, err = proc.communicate(timeout=900)
+    assert proc.returncode == 2, err[-3000:]
+    (run,) = (small_disk / "runs").iterdir()
+    ckpts = run / "checkpoints"
+    assert err.count("error: ") == 1 and "Traceback" not in err, err[-3000:]
+    assert re.search(rf"error: could not write checkpoint {ckpts}/step_000003: \w+: .* \(\d+ "
+                     r"bytes free there; the last checkpoint took \d{6,}\)\. It was removed; the "
+                     rf"last complete checkpoint is {ckpts}/step_000002\. .*molt run --resume "
+                     rf"{run}` \(from step_000002\)", err), err[-3000:]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000001", "step_000002"]
+    (small_disk / "ballast").unlink()
+    assert (checkpoint.export(run, tmp_path / "export") / "model.safetensors").is_file()
+    assert _left_behind(ray_tmp) == []
+
+
+def test_metrics_write_failure_without_a_checkpoint_says_so(tmp_path, small_disk):
+    from disk import fill
+    from molt_core.run.metrics import MetricsSink, RunDirError
+
+    sink = MetricsSink(small_disk, 10, show=False)
+    fill(small_disk)
+    try:
+        with pytest.raises(RunDirError, match=r"cannot append step 0 to .*No space left on device"
+                           r".*start the run again: it has no checkpoint yet"):
+            sink.log(0, {"reward/mean": 0.5, "pad": "x" * 10000})
+    finally:
+        sink.close()
+
+
+def test_nonfinite_step_count_survives_a_resume(ray_local, tiny_chars_dir, tmp_path, monkeypatch):
+    """A NaN loss at step 1 is skipped and counted; resumed from the checkpoint at 2, the count
+    goes on from 1 (it was restarted at 0)."""
+    monkeypatch.syspath_prepend(str(TESTS))
+    recipe = _recipe(tmp_path, tiny_chars_dir, algorithm={"loss": "nan_at_step_1"})
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg, plugins = load(recipe, ["trainer.steps=2"], ["nan_loss_plugin"])
+    first = train(cfg, plugins, run, progress=False)
+    assert [h["faults/nonfinite_steps"] for h in first] == [0, 1]
+    cfg, plugins = load(recipe, ["trainer.steps=4"], ["nan_loss_plugin"])
+    resumed = train(cfg, plugins, run, progress=False, resume=run)
+    assert [h["faults/nonfinite_steps"] for h in resumed] == [1, 1]

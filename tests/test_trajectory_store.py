@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
@@ -19,6 +20,7 @@ from molt_core import hookimpl
 from molt_core.cli import load
 from molt_core.trainer import train
 from molt_tools.view import read_trajectories
+from disk import fill, tmpfs
 from test_chat_server import THINK_TEMPLATE   # earlier turns re-render without `<think>`
 
 ROOT = Path(__file__).parents[1]
@@ -202,3 +204,64 @@ def test_resumed_run_replaces_later_steps_and_a_dead_loop_leaves_what_it_sent(ti
     names = {f.name for f in (tmp_path / "trajectories").iterdir()}
     assert {"step_000003.parquet", "step_000005.parquet"} <= names   # no temporary files left
     assert all(n.startswith("step_") and n.endswith(".parquet") for n in names)
+
+
+def test_a_resumed_writer_waits_for_the_killed_runs_writer(tiny_chars_dir, tmp_path):
+    """Driver SIGKILLed: its writer (idle priority, behind) still holds steps 0-5 and writes them
+    when it gets to. The resumed run's writer (from step 3) waits for it before replacing steps
+    3 on, so each step is saved once, not the old writer's 3-5 beside the new ones."""
+    import signal
+
+    from molt_core.run.trajectory_store import _SERVE, TrajectoryWriter
+
+    tok = AutoTokenizer.from_pretrained(tiny_chars_dir)
+    (tmp_path / "trajectories").mkdir()
+    old = subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE,
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    old.stdin.write(pickle.dumps((tmp_path / "trajectories", tok, 0)) + pickle.dumps("flush"))
+    old.stdin.flush()
+    assert old.stdout.readline() == b"ok\n"         # it runs (and holds the run's writer lock)
+    old.send_signal(signal.SIGSTOP)                 # starved: it reads nothing more for now
+    for step in range(6):
+        old.stdin.write(pickle.dumps((step, make_trajs(tok, step, 0.0), {}, None)))
+    old.stdin.close()                               # its driver is gone
+    new = TrajectoryWriter(tmp_path, tok, start=3)
+    for step in range(3, 6):
+        new.write(step, make_trajs(tok, step, 10.0))
+    old.send_signal(signal.SIGCONT)
+    new.close()
+    assert old.wait(timeout=300) == 0
+    rows = read_trajectories(tmp_path)
+    assert sorted((r["step"], r["reward"]) for r in rows) == [
+        (s, (10 if s >= 3 else 0) + r) for s in range(6) for r in (0, 1)]
+
+
+@pytest.fixture
+def full_tmpfs(tmp_path: Path):
+    with tmpfs(tmp_path / "disk") as disk:
+        fill(disk)
+        yield disk
+
+
+def test_writer_on_a_full_disk_stops_the_run_with_one_clear_error(tiny_chars_dir, tmp_path,
+                                                                   full_tmpfs):
+    """ENOSPC at the writer's first flush (a real full tmpfs): `flush` (each checkpoint's) and
+    the next `write` raise a `RunDirError` naming the directory, the error and the free space;
+    no temporary file is left."""
+    from molt_core.run.metrics import RunDirError
+    from molt_core.run.trajectory_store import TrajectoryWriter
+
+    tok = AutoTokenizer.from_pretrained(tiny_chars_dir)
+    writer = TrajectoryWriter(full_tmpfs, tok)
+    writer.write(0, make_trajs(tok, 0) * 50)
+    try:
+        with pytest.raises(RunDirError, match=rf"cannot save trajectories to {full_tmpfs}/"
+                           r"trajectories: \w+: .*No space left on device.* \(\d+ bytes free"
+                           r"\)\. The steps saved so far are kept.*no checkpoint yet"):
+            writer.flush()
+        with pytest.raises(RunDirError, match="cannot save trajectories"):
+            writer.write(1, make_trajs(tok, 1))
+    finally:
+        writer.close()
+    assert list((full_tmpfs / "trajectories").iterdir()) == []

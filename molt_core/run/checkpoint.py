@@ -14,6 +14,7 @@ reference policy (KL) is not saved: it is `model.path`, which resume requires un
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -30,10 +31,11 @@ import ray
 import structlog
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 import yaml
 
 from molt_core.config import Config, ConfigError, to_dict
-from molt_core.run.metrics import RunDirError
+from molt_core.run.metrics import RunDirError, resume_hint
 from molt_core.trajectory import ImageInput, Trajectory
 
 __all__ = ["SAFE_TO_CHANGE", "Checkpointer", "CheckpointError", "check_resume_config",
@@ -132,6 +134,7 @@ class Checkpointer:
         self.cfg, self.run_dir, self.policy, self.engines = cfg, run_dir, policy, engines
         self.generator, self.scheme, self.plugins = generator, scheme, plugins
         self.version = 0
+        self.flush = lambda: None      # the trajectory writer's: on disk before the checkpoint
         self.stop_signal: int | None = None
         self._handlers: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
@@ -158,6 +161,7 @@ class Checkpointer:
         path = resolve(path)
         state = torch.load(path / "driver.pt", weights_only=True)
         self.policy.load_checkpoint(str(path), state["critic"])
+        self.policy.nonfinite_steps = state.get("nonfinite_steps", 0)
         self.version = state["version"]
         if self.version:
             self.policy.push_weights(self.engines, self.version)
@@ -202,6 +206,7 @@ class Checkpointer:
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
+            self.flush()
             critic = self.policy.save_checkpoint(str(tmp))
             metrics = self.run_dir / "metrics.jsonl"
             gen = self.generator.state_dict()
@@ -211,11 +216,13 @@ class Checkpointer:
             timeout = self.cfg.engine.timeout_s
             engine_rng = [ray.get(e.rng_state.remote(), timeout=timeout)
                           if hasattr(e, "rng_state") else None for e in self.engines]
+            buf = io.BytesIO()          # a full disk: an OSError, where torch.save's is not
             torch.save({"step": done, "version": self.version, "critic": critic,
                         "rng": rng_state(), "engine_rng": engine_rng, "generator": gen,
                         "plugins": {k: v for k, v in plugin_state.items() if v is not None},
-                        "metrics_bytes": metrics.stat().st_size if metrics.exists() else 0},
-                       tmp / "driver.pt")
+                        "metrics_bytes": metrics.stat().st_size if metrics.exists() else 0,
+                        "nonfinite_steps": getattr(self.policy, "nonfinite_steps", 0)}, buf)
+            (tmp / "driver.pt").write_bytes(buf.getbuffer())
             (tmp / "meta.json").write_text(json.dumps(
                 {"step": done, "version": self.version, "model_path": self.cfg.model.path,
                  "dtype": self.cfg.model.dtype, "config": to_dict(self.cfg)}, indent=1,
@@ -223,14 +230,18 @@ class Checkpointer:
             if final.exists():                 # the same step saved again (a rerun of it)
                 shutil.rmtree(final)
             os.rename(tmp, final)
-        except OSError as e:
+        except (OSError, CheckpointException) as e:    # DCP's: the ranks' errors inside
             shutil.rmtree(tmp, ignore_errors=True)
-            prev = latest(self.run_dir)
+            e = getattr(e, "cause", e)                  # a Ray actor's: the rank's own
+            why = next((f"{type(x).__name__}: {x}" for x, _ in getattr(e, "failures", {}).values()),
+                       f"{type(e).__name__}: {e}")
+            prev, free = latest(self.run_dir), shutil.disk_usage(self.run_dir).free
+            took = sum(f.stat().st_size for f in prev.rglob("*") if f.is_file()) if prev else 0
             raise CheckpointError(
-                f"could not write checkpoint {final}: {e}. Free disk space or make "
-                f"{self.run_dir} writable; the last complete checkpoint is "
-                f"{prev or '(none)'}, resume from it with `molt run --resume {self.run_dir}`"
-            ) from e
+                f"could not write checkpoint {final}: {why} ({free} bytes free there; the last "
+                f"checkpoint took {took}). It was removed; the last complete checkpoint is "
+                f"{prev or '(none)'}. Free disk space or make {self.run_dir} "
+                f"writable, {resume_hint(self.run_dir)}") from e
         for old in _step_dirs(self.run_dir)[:-max(self.cfg.trainer.keep_last, 1)]:
             shutil.rmtree(old, ignore_errors=True)
         for stale in root.glob(".tmp-*"):

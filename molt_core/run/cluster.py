@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -28,6 +29,23 @@ __all__ = ["actor_options", "check_resources", "engine_kwargs", "init_ray", "num
 
 log = structlog.get_logger("molt.cluster")
 _early: dict[str, threading.Event] = {}     # "up": set once prestart's ray.init has returned
+_reapers: list[subprocess.Popen] = []       # one per local Ray this process started
+# Once the driver is gone (its end of the pipe closed: exit, or kill -9), whatever of its Ray
+# session still runs is killed (agents outlived a killed driver) and the session folder removed.
+_REAP = """import os, shutil, sys
+sys.stdin.read()
+session = sys.argv[1]
+for pid in {int(p) for p in os.listdir("/proc") if p.isdigit()} - {os.getpid()}:
+    try:
+        if session.encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+            os.kill(pid, 9)
+    except OSError:
+        pass
+shutil.rmtree(session, ignore_errors=True)
+latest = os.path.join(os.path.dirname(session), "session_latest")
+if not os.path.exists(latest) and os.path.islink(latest):
+    os.unlink(latest)
+"""
 
 
 @contextmanager
@@ -47,7 +65,7 @@ def prestart(recipe: str, overrides: list[str]) -> Iterator[None]:
     except BaseException:           # no run, no Ray
         if _early:
             _early.pop("up").wait()
-            ray.shutdown()
+            _shutdown()
         raise
 
 
@@ -77,11 +95,20 @@ def _start_local(cfg: Config, up: threading.Event | None = None) -> None:
     try:
         ray.init(num_cpus=cfg.ray.num_cpus or os.cpu_count(), include_dashboard=False,
                  _temp_dir=os.environ["RAY_TMPDIR"], logging_level=logging.WARNING)
+        session = ray._private.worker._global_node.get_session_dir_path()
+        _reapers.append(subprocess.Popen([sys.executable, "-c", _REAP, session],
+                                         stdin=subprocess.PIPE, start_new_session=True))
     finally:
         if up:      # prestart's thread (a failure: init_ray retries and raises it)
             up.set()
     if up:          # Ray's daemons die with the thread that started them
         threading.Event().wait()
+
+
+def _shutdown() -> None:
+    ray.shutdown()
+    while _reapers:
+        _reapers.pop().stdin.close()
 
 
 def actor_options(cfg: Config, has_gpus: bool) -> tuple[dict, dict]:
@@ -241,4 +268,4 @@ def start(cfg: Config, plugins: Any, trainer: bool = True) -> Iterator[tuple[Any
         for e in engines:
             ray.kill(e)
         if started:
-            ray.shutdown()
+            _shutdown()

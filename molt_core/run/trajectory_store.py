@@ -7,11 +7,14 @@ directly, or `molt_tools.view.read_trajectories`.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import pickle
 import queue
+import select
+import shutil
 import subprocess
 import sys
 import threading
@@ -26,6 +29,7 @@ import pyarrow.parquet as pq
 import structlog
 import torch
 
+from molt_core.run.metrics import RunDirError, resume_hint
 from molt_core.trajectory import Trajectory
 
 __all__ = ["TrajectoryWriter", "trajectory_rows", "write_trajectories"]
@@ -86,7 +90,10 @@ def write_trajectories(path: Path, rows: list[tuple]) -> None:
 
 class TrajectoryWriter:
     """Saves what each step trained on from a SCHED_IDLE process (no GIL shared with the loop),
-    fed by a thread; a full queue drops a step with a warning rather than stall the loop.
+    fed by a thread; a full queue drops a step with a warning rather than stall the loop. A
+    checkpoint is complete only after `flush`, so a killed run's steps before its checkpoint
+    are on disk and its resume rewrites the rest: each step saved once. A failed writer stops
+    the run (`RunDirError`) at the next step.
     `every`: steps between saves (0: off); `per_step`: rollouts saved per saved step (0: all);
     `start`: the first step of this run (a resumed run's saved steps from it on replace any)."""
 
@@ -95,11 +102,12 @@ class TrajectoryWriter:
         self.dir = run_dir / "trajectories" if run_dir and every > 0 else None
         self.every, self.per_step, self.task_of = every, per_step or None, task_of
         self.queue: queue.Queue = queue.Queue(maxsize=64)
+        self.why = ""               # the writer's failure
         if self.dir:
             self.dir.mkdir(parents=True, exist_ok=True)
             self.proc = subprocess.Popen(   # its own session: Ctrl-C stops the loop, not this
                 [sys.executable, "-c", _SERVE],
-                stdin=subprocess.PIPE, start_new_session=True,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
             threading.Thread(target=self._run, daemon=True, name="molt-trajectories",
                              args=(pickle.dumps((self.dir, tokenizer, start)),)).start()
@@ -109,6 +117,8 @@ class TrajectoryWriter:
         segment, as `advantage.training_batch` builds them)."""
         if not self.dir or step % self.every:
             return
+        if self.why or self.proc.poll() is not None:
+            self._failed()
         lp = policy.trained_logprobs().numpy() if hasattr(policy, "trained_logprobs") else None
         try:
             self.queue.put_nowait((step, trajs[:self.per_step], lp))
@@ -117,20 +127,45 @@ class TrajectoryWriter:
 
     def _run(self, setup: bytes) -> None:
         self.proc.stdin.write(setup)
-        for step, trajs, lp in iter(self.queue.get, None):
+        for item in iter(self.queue.get, None):
             try:    # MoE routing is not saved (large, slow to pickle)
+                if item == "flush":
+                    pickle.dump(item, self.proc.stdin)
+                    self.proc.stdin.flush()
+                    continue
+                step, trajs, lp = item
                 trajs = [replace(t, routed_experts=None) if t.routed_experts else t for t in trajs]
                 tasks = {t.group_id: self.task_of(t.group_id) for t in trajs if self.task_of}
                 pickle.dump((step, trajs, tasks, lp), self.proc.stdin, protocol=5)
                 self.proc.stdin.flush()
+            except BrokenPipeError:     # the writer died: `write` and `flush` say why
+                return
             except Exception as e:   # a failed save must not kill the run
                 log.warning("trajectory save failed", step=step, error=f"{type(e).__name__}: {e}")
         self.proc.stdin.close()
 
+    def flush(self, timeout: float = 600.0) -> None:
+        """Wait until every step queued so far is on disk."""
+        if self.dir:
+            self.queue.put("flush", timeout=timeout)
+            if not select.select([self.proc.stdout], [], [], timeout)[0]:
+                raise RunDirError(f"the trajectory writer saved nothing within {timeout}s: is "
+                                  f"the disk of {self.dir} stalled?")
+            if (line := self.proc.stdout.readline()) != b"ok\n":
+                self._failed(line)
+
+    def _failed(self, line: bytes = b"") -> None:
+        self.why = self.why or (line + self.proc.stdout.read()).decode().strip() or (
+            f"writer exit code {self.proc.wait(60)}")
+        raise RunDirError(f"cannot save trajectories to {self.dir}: {self.why}. The steps saved "
+                          "so far are kept; free space (or set log.trajectories_every=0), "
+                          f"{resume_hint(self.dir.parent)}")
+
     def close(self) -> None:
         if self.dir:
             self.queue.put(None)
-            self.proc.wait(timeout=600)
+            if self.proc.wait(timeout=600) and not self.why:
+                log.error("trajectory writer failed", error=self.proc.stdout.read().decode())
 
 
 # SCHED_IDLE (Linux) before the imports: the writer takes only CPU nobody else wants, from its
@@ -142,8 +177,23 @@ _SERVE = ("import gc, os; gc.disable()\nif hasattr(os, 'SCHED_IDLE'): os.sched_s
 
 def _serve() -> None:
     """The writer process: (dir, tokenizer, start), then one saved step after another; a file
-    per `FLUSH_S` seconds of them, and one when the loop closes its end (or dies)."""
-    out, tokenizer, start = pickle.load(sys.stdin.buffer)
+    per `FLUSH_S` seconds of them, one per "flush" (acknowledged on stdout), and one when the
+    loop closes its end (or dies). An OSError (disk full) is its last word on stdout."""
+    ack, (out, tokenizer, start) = os.fdopen(os.dup(1), "w"), pickle.load(sys.stdin.buffer)
+    os.dup2(2, 1)                               # prints and logs: not on the acknowledgements
+    try:
+        _write_loop(out, tokenizer, start, ack)
+    except OSError as e:
+        for f in out.glob("*.tmp"):
+            f.unlink()
+        ack.write(f"{type(e).__name__}: {e} ({shutil.disk_usage(out).free} bytes free)")
+        ack.flush()
+        sys.exit(1)
+
+
+def _write_loop(out: Path, tokenizer: Any, start: int, ack: Any) -> None:
+    # an earlier writer of this dir (its driver killed) ends, its last steps written, first
+    fcntl.flock(os.open(out, os.O_RDONLY), fcntl.LOCK_EX)
     for f in out.glob("*.parquet"):         # an earlier run's steps from `start` on go
         keep = pq.read_table(f, filters=[("step", "<", start)])
         if not keep.num_rows:
@@ -151,15 +201,24 @@ def _serve() -> None:
         elif keep.num_rows < pq.read_metadata(f).num_rows:     # atomically, as every file
             pq.write_table(keep, f"{f}.tmp", compression="zstd")
             os.replace(f"{f}.tmp", f)
-    rows, flushed, step = [], time.monotonic(), 0
+    rows, flushed, step, item = [], time.monotonic(), 0, None
     while step is not None:
         try:
-            step, trajs, tasks, lp = pickle.load(sys.stdin.buffer)
-            rows += trajectory_rows(step, trajs, tokenizer, lp, tasks and tasks.get, out / "images")
+            item = pickle.load(sys.stdin.buffer)
+            if item != "flush":
+                step, trajs, tasks, lp = item
+                rows += trajectory_rows(step, trajs, tokenizer, lp, tasks and tasks.get,
+                                        out / "images")
         except (EOFError, pickle.UnpicklingError):      # closed; a dead loop's: maybe mid-step
             step = None
+        except OSError:
+            raise
         except Exception as e:
             log.warning("trajectory save failed", step=step, error=f"{type(e).__name__}: {e}")
-        if rows and (step is None or time.monotonic() - flushed >= FLUSH_S):
+        if rows and (step is None or item == "flush" or time.monotonic() - flushed >= FLUSH_S):
             write_trajectories(out / f"step_{rows[0][0]:06d}.parquet", rows)
             rows, flushed = [], time.monotonic()
+        if item == "flush":
+            ack.write("ok\n")
+            ack.flush()
+            item = None
