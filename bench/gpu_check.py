@@ -18,13 +18,14 @@ Each shape runs in its own child process (a CUDA fault cannot spoil the next sha
 left of the time budget; a failed phase is recorded (`error`, with its traceback) and the next
 one runs. Every child rewrites its shape's JSON after each phase, so a timeout keeps what ran.
 
-The GPU machine has no Ray, no vLLM, no Molt install and no network: this script puts the repo and
-the plugin sources it uses on `sys.path`, binds `ray` to a stand-in that raises on any use (the
-core modules import Ray at the top but the embedded path calls none of it; the real package is
-never loaded, `ray_loaded` in the JSON), and appends the wheels in `.cache/gpu-wheels/` to
-`sys.path`, so they serve only what the machine lacks. Carry that folder: it holds structlog
-(`cp /opt/pypi/files/structlog-*.whl .cache/gpu-wheels/` or `pip download structlog`); nothing
-here imports math-verify. Versions there: torch 2.11, transformers 5.17.
+The GPU machine has no Ray, no vLLM, no Molt install and no network: this script puts the repo
+and the plugin sources it uses on `sys.path`, imports the core modules with `ray` bound to a
+stand-in that raises on any use (they import Ray at the top, the embedded path calls none of it;
+the real package is never loaded: `ray_loaded` in the JSON), and appends the wheels in
+`.cache/gpu-wheels/` to `sys.path`, so they serve only what the machine lacks. Carry that
+folder: it holds structlog (`cp /opt/pypi/files/structlog-*.whl .cache/gpu-wheels/` or `pip
+download structlog`); nothing here imports math-verify. Versions there: torch 2.11,
+transformers 5.17.
 """
 
 from __future__ import annotations
@@ -97,10 +98,27 @@ def _setup_paths() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
+def import_molt() -> None:
+    """Import the core modules with `ray` bound to `_NoRay`, then unbind it: they keep the
+    stand-in, everything else (transformers' and accelerate's `find_spec("ray")`) sees no Ray,
+    and a later `import ray` fails."""
+    had, before = "ray" in sys.modules, sys.modules.get("ray")     # None: blocked (the test)
+    sys.modules["ray"] = _NoRay("ray")
+    try:
+        import molt_core.engines.hf  # noqa: F401
+        import molt_core.policy.handle  # noqa: F401
+        import molt_core.trainer  # noqa: F401
+    finally:
+        if had:
+            sys.modules["ray"] = before
+        else:
+            del sys.modules["ray"]
+
+
 def ray_loaded() -> bool:
     """Whether the real Ray package was imported (the stand-in does not count)."""
     return any(n == "ray" or n.startswith("ray.") for n, m in sys.modules.items()
-               if not isinstance(m, _NoRay))
+               if m is not None and not isinstance(m, _NoRay))
 
 
 # --- child: one shape ---------------------------------------------------------------------------
@@ -351,11 +369,9 @@ def run_phase(name: str, model_dir: Path, model_info: tuple, device: Any, geo: d
 
 def child(args: argparse.Namespace) -> None:
     """One shape: its model, the matmul peak, every phase; the JSON rewritten after each."""
-    import peft  # noqa: F401 - imported before the stand-in: find_spec("ray") is None in them
     import torch
     import transformers
-    if sys.modules.get("ray") is None:       # absent (None: blocked, as by the dry-run test)
-        sys.modules["ray"] = _NoRay("ray")
+    import_molt()
     start = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
     shapes = DRY_SHAPES if args.dry_run else SHAPES
@@ -439,6 +455,26 @@ def table(shapes: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def run_child(name: str, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+    """Shape `name` in a child process given the budget's rest; its JSON, with any failure."""
+    left = deadline - time.time()
+    if left < 60:
+        print(f"=== {name}: skipped, {left:.0f} s of the budget left", flush=True)
+        return {"phases": {}, "error": f"skipped: {left:.0f} s of the budget left"}
+    cmd = [sys.executable, __file__, "--child", name, "--out", args.out,
+           "--deadline", str(deadline)] + (["--dry-run"] if args.dry_run else [])
+    print(f"=== {name} ({left:.0f} s of the budget left)", flush=True)
+    try:
+        rc: Any = subprocess.run(cmd, timeout=left + 30).returncode
+    except subprocess.TimeoutExpired:
+        rc = "a timeout (killed)"
+    path = Path(args.out) / f"shape-{name}.json"
+    shape = json.loads(path.read_text()) if path.exists() else {"phases": {}}
+    if rc != 0:
+        shape["error"] = shape.get("error") or f"child process ended with {rc}"
+    return shape
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU")
@@ -460,19 +496,7 @@ def main() -> None:
     names = args.shapes.split(",") if args.shapes else list(DRY_SHAPES if args.dry_run else SHAPES)
     result: dict[str, Any] = {"dry_run": args.dry_run, "shapes": {}, "python": sys.version}
     for name in names:
-        left = deadline - time.time()
-        cmd = [sys.executable, __file__, "--child", name, "--out", args.out,
-               "--deadline", str(deadline)] + (["--dry-run"] if args.dry_run else [])
-        print(f"=== {name} ({left:.0f} s of the budget left)", flush=True)
-        try:
-            rc = subprocess.run(cmd, timeout=max(left, 1) + 30).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        shape_json = Path(args.out) / f"shape-{name}.json"
-        shape = json.loads(shape_json.read_text()) if shape_json.exists() else {"phases": {}}
-        if rc != 0:
-            shape["error"] = shape.get("error") or f"child process ended with {rc}"
-        result["shapes"][name] = shape
+        result["shapes"][name] = run_child(name, args, deadline)
         result["ray_loaded"] = any(s.get("ray_loaded", False) for s in result["shapes"].values())
         result["wall_s"] = time.time() - start
         (Path(args.out) / "gpu_check.json").write_text(json.dumps(result, indent=1))
