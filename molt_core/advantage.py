@@ -52,8 +52,9 @@ def training_batch(trajs: list[Trajectory], estimator: Callable, alg: AlgorithmC
                    policy: Any, temperature: float, pad_id: int
                    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, float]]:
     """Collate one row per segment (a segment never attends to another) with `advantages` (and
-    `returns`, `old_values` for per-token estimators). Returns the batch, the advantages of the
-    estimator's units (rollouts, or trainable tokens) and metrics."""
+    `returns`, `old_values` for per-token estimators), its rollout's `rollout_index` and trainable
+    `rollout_tokens` ([B, 1]). Returns the batch, the advantages of the estimator's units
+    (rollouts, or trainable tokens) and metrics."""
     rows = [(s, i) for i, t in enumerate(trajs) for s in t.split_segments()]
     batch = collate([s for s, _ in rows], None, pad_id=pad_id)
     traj_of = torch.tensor([i for _, i in rows])                           # [B]
@@ -61,6 +62,10 @@ def training_batch(trajs: list[Trajectory], estimator: Callable, alg: AlgorithmC
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
     group_index = torch.tensor([t.group_id for t in trajs])
     batch["group_index"] = group_index[traj_of][:, None]                 # [B, 1], for losses
+    # a rollout's segment rows weigh as one sequence (`algos.aggregate`, sequence ratios)
+    batch["rollout_index"] = traj_of[:, None]
+    batch["rollout_tokens"] = torch.zeros(len(trajs), dtype=torch.long).index_add_(
+        0, traj_of, mask.sum(-1))[traj_of][:, None]
     extra = {k: Rollouts.of(trajs) for k in opt_in(estimator, rollouts=None)}
     metrics: dict[str, float] = {}
     kl = torch.zeros(mask.shape)

@@ -14,7 +14,7 @@ import torch
 
 __all__ = ["CORRECTIONS", "aggregate", "clipped_surrogate", "entropy_from_logits", "group_stats",
            "is_correction", "kl_estimate", "loss_terms", "masked_mean", "masked_whiten",
-           "value_loss"]
+           "rollout_sum", "value_loss"]
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -23,25 +23,38 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str,
-              num_tokens: int, num_seqs: int) -> torch.Tensor:
+              num_tokens: int, num_seqs: float, seq_tokens: torch.Tensor | None = None
+              ) -> torch.Tensor:
     """Reduce a per-token loss [B, T] to this micro-batch's share of the step's loss.
 
     token-mean:           sum_{i,t} l_it / N_tokens
     seq-mean-token-sum:   sum_i (sum_t l_it) / N_seqs
     seq-mean-token-mean:  sum_i (mean_t l_it) / N_seqs
     N_tokens and N_seqs are global counts for the optimizer step (sequences with no trainable
-    token do not count).
+    token do not count). A sequence i is a rollout: the rows of its segments add up, the mean is
+    over its `seq_tokens` [B, 1] (each row's rollout's trainable tokens; None: the row's own) and
+    N_seqs counts rollouts (`objective.num_sequences`).
     """
     m = mask.to(per_token.dtype)
     if mode == "token-mean":
         return (per_token * m).sum() / max(num_tokens, 1)
     per_seq = (per_token * m).sum(-1)
     if mode == "seq-mean-token-sum":
-        return per_seq.sum() / max(num_seqs, 1)
+        return per_seq.sum() / (num_seqs or 1)
     if mode == "seq-mean-token-mean":
-        return (per_seq / m.sum(-1).clamp(min=1)).sum() / max(num_seqs, 1)
+        n = m.sum(-1) if seq_tokens is None else seq_tokens.flatten().to(m.dtype)
+        return (per_seq / n.clamp(min=1)).sum() / (num_seqs or 1)
     raise ValueError(f"unknown loss aggregation '{mode}'; valid: token-mean, "
                      "seq-mean-token-sum, seq-mean-token-mean")
+
+
+def rollout_sum(x: torch.Tensor, rollout_index: torch.Tensor | None) -> torch.Tensor:
+    """Per-row values x [B, 1] summed over the rows of each row's rollout (`rollout_index` [B, 1]:
+    the segments of a re-rendered chat); None: every row is its own rollout."""
+    if rollout_index is None:
+        return x
+    _, inv = torch.unique(rollout_index.flatten(), return_inverse=True)
+    return x.new_zeros(int(inv.max()) + 1, *x.shape[1:]).index_add(0, inv, x)[inv]
 
 
 def group_stats(values: torch.Tensor, group_index: torch.Tensor
@@ -166,7 +179,8 @@ CORRECTIONS: dict[str, dict[str, float]] = {
 
 
 def is_correction(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask: torch.Tensor,
-                  mode: str, **thresholds: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                  mode: str, *, rollout_index: torch.Tensor | None = None,
+                  **thresholds: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token weight [B, T] that corrects a loss computed against the proximal policy for
     sampling by the behavior policy (the engine, possibly stale weights or other kernels).
 
@@ -179,6 +193,7 @@ def is_correction(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask:
       geo_mask: weight_t = 1[low <= exp(mean_s log w_s) <= high]  (sequence rejection on the
                                                                    geometric mean; weight 1)
       none:     weight_t = 1
+    A sequence (s) is a rollout: all rows of its `rollout_index` [B, 1] (`rollout_sum`).
     The weight is 0 outside `mask`. Metrics ([B, T], averaged over trainable tokens):
     `is_filtered_fraction` (tokens whose weight was zeroed), `is_truncated_fraction` (TIS tokens
     whose w exceeded the cap), `is_weight` (the weight applied).
@@ -202,13 +217,13 @@ def is_correction(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask:
     elif mode == "icepop":
         weight = torch.where((w >= th["low"]) & (w <= th["high"]), w, zero)
     elif mode == "mis":
-        log_rho = log_w.sum(-1, keepdim=True)                                # [B, 1]
+        log_rho = rollout_sum(log_w.sum(-1, keepdim=True), rollout_index)    # [B, 1]
         # exp overflows only where rho > cap, and those sequences get 0 anyway
         rho = log_rho.clamp(max=math.log(th["cap"])).exp()
         weight = torch.where(log_rho <= math.log(th["cap"]), rho, 0.0).expand_as(w)
     else:  # geo_mask
-        n = m.sum(-1, keepdim=True).clamp(min=1)
-        geo = (log_w.sum(-1, keepdim=True) / n).exp()                        # [B, 1]
+        n = rollout_sum(m.sum(-1, keepdim=True).to(w.dtype), rollout_index).clamp(min=1)
+        geo = (rollout_sum(log_w.sum(-1, keepdim=True), rollout_index) / n).exp()   # [B, 1]
         weight = ((geo >= th["low"]) & (geo <= th["high"])).to(w.dtype).expand_as(w)
     weight = torch.where(m, weight, zero)
     filtered = m & (weight == 0)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from molt_core import weight_sync
 from molt_core.config import TrainerConfig
-from molt_core.policy.objective import TrainStep, nanmax
+from molt_core.policy.objective import TrainStep, nanmax, num_sequences
 from molt_core.policy.worker import PolicyWorker
 from molt_core.run import cluster
 
@@ -135,7 +135,7 @@ class Policy:
                 part = {k: v[s:e] for k, v in batch.items()}
                 mask = part["loss_mask"]
                 steps.append(self._get([w.train_step.remote(
-                    p, spec, int(mask.sum()), int(mask.any(-1).sum()))
+                    p, spec, int(mask.sum()), num_sequences(part))
                     for w, p in zip(self.workers, self._split(part))], "train_step")[::self.replicas])
                 self._count_nonfinite(steps[-1][0]["nonfinite"])
         outs = [o for step in steps for o in step]

@@ -14,7 +14,8 @@ from molt_core.advantage import opt_in
 from molt_core.algos import aggregate, is_correction, loss_terms
 from molt_core.policy.logprobs import Forward
 
-__all__ = ["LossFn", "Tally", "TrainStep", "nanmax", "needs_reference", "objective"]
+__all__ = ["LossFn", "Tally", "TrainStep", "nanmax", "needs_reference", "num_sequences",
+           "objective"]
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -50,8 +51,17 @@ def _kl_in_loss(terms: dict) -> bool:
     return terms.get("kl_coef", 0.0) > 0 and terms.get("kl_in", "loss") == "loss"
 
 
+def num_sequences(batch: dict[str, torch.Tensor]) -> float:
+    """Sequences of these rows for `aggregate`'s N_seqs: rollouts, each row counting its share of
+    its rollout's trainable tokens (`rollout_tokens`); without them, rows with a trainable token."""
+    mask = batch["loss_mask"]
+    if "rollout_tokens" not in batch:
+        return int(mask.any(-1).sum())
+    return float((mask.sum(-1).double() / batch["rollout_tokens"].flatten().clamp(min=1)).sum())
+
+
 def objective(spec: TrainStep, mb: dict[str, torch.Tensor], fwd: Forward, num_tokens: int,
-              num_seqs: int, *, ref_logprobs: torch.Tensor | None = None, aux_coef: float = 0.0
+              num_seqs: float, *, ref_logprobs: torch.Tensor | None = None, aux_coef: float = 0.0
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This micro-batch's share of the step's loss, and its metrics ([b, T] per token or scalars):
       l_t  = loss_fn(pi_theta, pi_old, A, mask, **loss_args)_t * w_t + terms_t
@@ -64,24 +74,26 @@ def objective(spec: TrainStep, mb: dict[str, torch.Tensor], fwd: Forward, num_to
     sequences (the step's sum is their mean). N_tokens, N_seqs: the whole step's (all ranks)."""
     lp, mask, behavior, terms = fwd.logprobs, mb["loss_mask"], mb["behavior_logprobs"], (
         spec.terms or {})
-    # losses that name `group_index` / `ref_logprobs` get them (docs/plugins.md)
+    # losses that name `group_index` / `rollout_index` / `ref_logprobs` get them (docs/plugins.md)
     kw = {**spec.loss_args, **opt_in(spec.loss_fn, group_index=mb.get("group_index"),
-                                     ref_logprobs=None)}
+                                     rollout_index=mb.get("rollout_index"), ref_logprobs=None)}
     kw.update({k: ref_logprobs for k in kw if k == "ref_logprobs"})
     prox = mb["prox_logprobs"] if "prox_logprobs" in mb else lp.detach()
     old = behavior if spec.correction == "none" else prox      # the ratio's denominator
     per_token, metrics = spec.loss_fn(lp, old, mb["advantages"], mask, **kw)
     if spec.correction != "none":
         weight, is_metrics = is_correction(prox, behavior, mask, spec.correction,
+                                           rollout_index=mb.get("rollout_index"),
                                            **(spec.correction_args or {}))
         per_token, metrics = per_token * weight, {**metrics, **is_metrics}
     add, term_metrics = loss_terms(
         lp, fwd.entropy, ref_logprobs=ref_logprobs if _kl_in_loss(terms) else None,
         values=fwd.values, old_values=mb.get("old_values"), returns=mb.get("returns"),
         **{k: v for k, v in terms.items() if k not in ("kl_in", "value_lr")})
-    loss = aggregate(per_token + add, mask, spec.loss_agg, num_tokens, num_seqs)
+    loss = aggregate(per_token + add, mask, spec.loss_agg, num_tokens, num_seqs,
+                     mb.get("rollout_tokens"))
     if fwd.aux_loss is not None and aux_coef > 0:
-        loss = loss + aux_coef * fwd.aux_loss * (float(mask.any(-1).sum()) / max(num_seqs, 1))
+        loss = loss + aux_coef * fwd.aux_loss * (num_sequences(mb) / (num_seqs or 1))
     return loss, {**metrics, **term_metrics}
 
 

@@ -107,9 +107,18 @@ class PolicyWorker:
         return self.rank
 
     def _micro_batches(self, batch: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
-        n = self.cfg["micro_batch_size"]
-        for s in range(0, batch["input_ids"].shape[0], n):
-            mb = {k: _tensor(v[s:s + n]).to(self.device) for k, v in batch.items()}
+        """`micro_batch_size` rows each, a cut that would split a rollout moved to its nearest
+        rollout start short of a neighbour cut (a sequence ratio spans the rollout's segments):
+        the count, equal on every rank, stays."""
+        B, n, r = batch["input_ids"].shape[0], self.cfg["micro_batch_size"], batch.get(
+            "rollout_index")
+        r, cuts = [0] * B if r is None else r.reshape(-1).tolist(), [0]
+        for c in range(n, B, n):
+            starts = [b for b in range(cuts[-1] + 1, min(c + n, B)) if r[b - 1] != r[b]]
+            cuts.append(c if r[c - 1] != r[c] or not starts else min(
+                starts, key=lambda b: (abs(b - c), b)))
+        for s, e in zip(cuts, cuts[1:] + [B]):
+            mb = {k: _tensor(v[s:e]).to(self.device) for k, v in batch.items()}
             T = max(int(mb["attention_mask"].sum(-1).max()), 1)    # right padded: trim the tail
             yield {k: v if k in _IMAGE_KEYS else v[:, :T] for k, v in mb.items()}
 
