@@ -289,18 +289,22 @@ class VLLMEngine:
         if begin:
             await self._call(self._llm.pause_generation(mode="keep", clear_cache=False),
                              "pause for weight update", self.update_timeout_s)
-            self._update_version = version
+            self._update_version, self._sums = version, {}
         elif version != self._update_version:
             raise RuntimeError(f"weight bucket for version {version} arrived while the update to "
                                f"version {self._update_version} is unfinished")
         workers = await self._rpc(method, *args, metas, begin)
         for k, v in workers[0].items():     # weight_read_s, weight_load_s, weight_path
+        sums = [w.pop("checksums") for w in workers]    # workers that disagree: None, a mismatch
+        self._sums.update({n: c if all(o[n] == c for o in sums) else None
+                           for n, c in sums[0].items()})
             self._stats[k] = v if isinstance(v, str) else self._stats[k] + v
         self._stats["weight_bytes"] += sum(nbytes(dt, shape) for _, dt, shape, _ in metas)
         self._stats["weight_update_s"] += time.perf_counter() - t0
 
-    async def finish_weight_update(self, version: int) -> None:
-        """Check every engine parameter was assigned, reset the prefix cache, serve `version`."""
+    async def finish_weight_update(self, version: int) -> dict[str, int | None]:
+        """Check every engine parameter was assigned, reset the prefix cache, serve `version`;
+        returns the checksums of the bytes the workers received (`weight_sync.send` checks)."""
         t0 = time.perf_counter()
         busy, self._channel.loading = self._channel.loading, [[], []]
         await asyncio.gather(*busy[0], *busy[1])        # `update_weights`' loads
@@ -322,6 +326,24 @@ class VLLMEngine:
         self._stats["weight_updates"] += 1
         self._stats["weight_update_s"] += time.perf_counter() - t0
 
+        return self._sums
+
+    async def score(self, token_ids: list[int]) -> list[float]:
+        """Log-probs of token_ids[1:] after their prefixes at temperature 1 (vLLM's prompt
+        log-probs): the weight-sync canary; its own seed, so no request's sampling moves."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, seed=0,
+                                detokenize=False)
+
+        async def run() -> Any:
+            async for out in self._llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)),
+                                                params, f"molt-canary-{uuid.uuid4().hex[:12]}"):
+                final = out
+            return final
+        final = await self._call(run(), "score (weight-sync canary)", self.update_timeout_s)
+        return [_sampled_logprob(e, t) for e, t in zip(final.prompt_logprobs[1:], token_ids[1:])]
     async def _rpc(self, method: str, *args: Any) -> list:
         return await self._call(self._llm.collective_rpc(method, timeout=self.update_timeout_s,
                                                          args=args),

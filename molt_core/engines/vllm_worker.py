@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from molt_core.weight_sync import Meta, WeightGroup, nbytes, unpack
+from molt_core.weight_sync import Meta, WeightGroup, checksums, nbytes, unpack
 
 __all__ = ["MoltWorkerExtension"]
 
@@ -165,6 +165,7 @@ class MoltWorkerExtension:
         if not getattr(self, "_molt_open", False):
             raise RuntimeError("weight bucket before the first one (begin=True) of an update")
         t1 = time.perf_counter()
+        sums = dict(zip([n for n, _ in tensors], checksums(tensors)))   # the bytes received
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             if self._molt_done is not None:
                 tensors = self._molt_copy(tensors)
@@ -172,7 +173,8 @@ class MoltWorkerExtension:
         for key in set(loaded or ()) & set(self._molt_targets or ()):
             self._molt_done[key] = self._molt_targets[key][3]
         return {"weight_read_s": t1 - t0, "weight_load_s": time.perf_counter() - t1,
-                "weight_path": "load_weights" if self._molt_done is None else "direct"}
+                "weight_path": "load_weights" if self._molt_done is None else "direct",
+                "checksums": sums}
 
     def molt_finish_update(self) -> list[str]:
         """Close the session if every layer was fully assigned; else keep it open and return
