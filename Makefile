@@ -102,7 +102,8 @@ $(VVENV)/.installed: $(VBIN)/python pyproject.toml $(addsuffix /pyproject.toml,$
 venv-vllm: $(VVENV)/.installed
 
 test-vllm: venv-vllm
-	$(VBIN)/python -m pytest -q tests/test_engine_vllm.py tests/test_moe_vllm.py tests/test_export_vllm.py tests/test_smollm2_vllm.py
+	$(VBIN)/python -m pytest -q tests/test_engine_vllm.py tests/test_moe_vllm.py tests/test_export_vllm.py tests/test_smollm2_vllm.py \
+		tests/test_weight_sync_vllm.py
 
 # TRL for bench/vs_trl.py: its own venv (it pins its own stack), the CPU torch wheel first.
 TVENV := .venv-trl
