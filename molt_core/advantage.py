@@ -18,6 +18,7 @@ import torch
 
 from molt_core.algos import kl_estimate, masked_mean
 from molt_core.config import AlgorithmConfig
+from molt_core.plugins import PluginError
 from molt_core.trajectory import Trajectory, collate
 
 __all__ = ["Rollouts", "needs_values", "opt_in", "training_batch"]
@@ -78,7 +79,8 @@ def training_batch(trajs: list[Trajectory], estimator: Callable, alg: AlgorithmC
         penalty = torch.zeros(len(trajs)).index_add_(0, traj_of, kl.sum(-1))
         adv = estimator(rewards - terms.kl_coef * penalty, group_index, **alg.estimator_args,
                         **extra)
-        _check_shapes(alg.estimator, [adv], rewards.shape, "advantages [R] (one per rollout)")
+        _check_shapes(estimator, alg.estimator, [adv], rewards.shape,
+                      "advantages [R] (one per rollout)")
         batch["advantages"] = adv[traj_of][:, None] * batch["attention_mask"]
         return batch, adv, metrics
     token_rewards = -terms.kl_coef * kl
@@ -88,8 +90,8 @@ def training_batch(trajs: list[Trajectory], estimator: Callable, alg: AlgorithmC
     values = policy.values(batch)
     out = estimator(token_rewards, values, mask, group_index[traj_of], **alg.estimator_args,
                     **extra)
-    _check_shapes(alg.estimator, out if isinstance(out, tuple) else [out], mask.shape,
-                  "(advantages, returns), both [B, T] (needs_values)", 2)
+    _check_shapes(estimator, alg.estimator, out if isinstance(out, tuple) else [out], mask.shape,
+                  "(advantages, returns), both [B, T] (needs_values)", 2, mask)
     adv, returns = out
     batch.update(advantages=adv * mask, returns=returns * mask, old_values=values)
     # 1 - Var(R - V) / Var(R): how much of the returns the critic explains (1 is perfect)
@@ -101,8 +103,15 @@ def training_batch(trajs: list[Trajectory], estimator: Callable, alg: AlgorithmC
     return batch, adv[mask], metrics
 
 
-def _check_shapes(name: str, out: Any, shape: torch.Size, want: str, n: int = 1) -> None:
+def _check_shapes(fn: Callable, name: str, out: Any, shape: torch.Size, want: str, n: int = 1,
+                  mask: torch.Tensor | None = None) -> None:
+    """The estimator's outputs have `shape` and are finite (at `mask`): else one PluginError
+    naming the estimator and its plugin."""
+    what = getattr(fn, "molt_origin", f"estimator '{name}'")
     if len(out) != n or any(not isinstance(x, torch.Tensor) or x.shape != shape for x in out):
         got = [tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in out]
-        raise ValueError(f"estimator '{name}' must return {want} of shape {tuple(shape)}; got "
-                         f"{got}")
+        raise PluginError(f"{what} must return {want} of shape {tuple(shape)}; got {got}")
+    bad = [int((~x[mask].isfinite() if mask is not None else ~x.isfinite()).sum()) for x in out]
+    if any(bad):
+        raise PluginError(f"{what} returned non-finite values ({' and '.join(map(str, bad))} of "
+                          f"{want}); expected finite ones: guard its divisions (e.g. std + eps)")

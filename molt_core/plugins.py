@@ -168,16 +168,22 @@ def build_plugins(plugins: list[str] = (), blocked: list[str] = ()) -> Plugins:
         _register(pm, module, name, info, {"distribution": "(module)", "version": "-"})
     _check_hook_names(pm)
     trace = bool(os.environ.get("MOLT_TRACE_PLUGINS"))
-    if trace:       # every hook implementation, however it is called (pluggy or directly)
-        for hook in (getattr(pm.hook, n) for n in dir(pm.hook) if n.startswith("molt_")):
-            for impl in hook.get_hookimpls():
+    # every hook implementation, however it is called (pluggy or directly)
+    for hook in (getattr(pm.hook, n) for n in dir(pm.hook) if n.startswith("molt_")):
+        for impl in hook.get_hookimpls():
+            if not (impl.wrapper or impl.hookwrapper):
+                impl.function = _guarded(impl.function,
+                                         f"hook {hook.name} of plugin '{impl.plugin_name}'")
+            if trace:
                 impl.function = _traced(impl.function, f"hook {hook.name}", impl.plugin_name)
     registry, owner = _merge(pm)
-    if trace:
-        for kind, entries in registry.items():
-            for entry, obj in entries.items():
-                if inspect.isfunction(obj):
-                    entries[entry] = _traced(obj, f"{kind} '{entry}'", owner[(kind, entry)])
+    for kind, entries in registry.items():
+        for entry, obj in entries.items():
+            if kind in _RETURNS and inspect.isfunction(obj):
+                obj = entries[entry] = _guarded(obj, f"{kind} '{entry}' (plugin "
+                                                     f"{owner[(kind, entry)]})", _RETURNS[kind])
+            if trace and inspect.isfunction(obj):
+                entries[entry] = _traced(obj, f"{kind} '{entry}'", owner[(kind, entry)])
     return Plugins(pm, info, registry, owner, list(plugins), blocked)
 
 
@@ -205,6 +211,40 @@ def _traced(fn: Callable, what: str, plugin: str) -> Callable:
         print(f"molt trace: {what} (plugin {plugin})({', '.join(shown)})", file=sys.stderr)
         return fn(*args, **kwargs)
     return traced
+
+
+# entries whose calls name their plugin on failure (and their return contract, if any)
+_RETURNS: dict[str, tuple[Callable[[Any], bool], str] | None] = {
+    "estimator": None,                 # shapes and finiteness: advantage.training_batch
+    "loss": (lambda out: isinstance(out, tuple) and len(out) == 2 and hasattr(out[0], "shape")
+             and isinstance(out[1], dict), "(per_token_loss [b, T], metrics dict)")}
+
+
+def _returned(v: Any) -> str:
+    """What a plugin returned, for an error message: its type, shape and a short repr."""
+    if isinstance(v, tuple):
+        return f"a {len(v)}-tuple ({', '.join(_returned(x) for x in v[:4])})"
+    shape = getattr(v, "shape", None)
+    return f"{type(v).__name__} {list(shape)}" if shape is not None else \
+        f"{type(v).__name__} {repr(v)[:40]}"
+
+
+def _guarded(fn: Callable, what: str, check: tuple[Callable, str] | None = None) -> Callable:
+    """`fn` whose exceptions and (with `check`) wrong returns are one PluginError naming `what`;
+    molt_core's own errors (config, invariants) pass through. `molt_origin` names it elsewhere."""
+    @functools.wraps(fn)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            out = fn(*args, **kwargs)
+        except Exception as e:
+            if type(e).__module__.startswith("molt_core"):
+                raise
+            raise PluginError(f"{what} raised {type(e).__name__}: {e}") from e
+        if check is not None and not check[0](out):
+            raise PluginError(f"{what} returned {_returned(out)}; expected {check[1]}")
+        return out
+    guarded.molt_origin = what      # type: ignore[attr-defined]
+    return guarded
 
 
 def _version(dist: str) -> str:
@@ -247,6 +287,9 @@ def _merge(pm: pluggy.PluginManager) -> tuple[dict, dict]:
     for kind, (hook, _) in KINDS.items():
         for impl in getattr(pm.hook, hook).get_hookimpls():
             entries: dict[str, Callable] = impl.function() or {}
+            if not isinstance(entries, dict):
+                raise PluginError(f"hook {hook} of plugin '{impl.plugin_name}' returned "
+                                  f"{_returned(entries)}; expected a dict {{name: {kind}}}")
             for entry, obj in entries.items():
                 if entry in registry[kind]:
                     raise PluginError(f"{kind} '{entry}' is registered by both plugin "

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from molt_core.advantage import training_batch
 from molt_core.algos import entropy_from_logits, kl_estimate, loss_terms
 from molt_core.config import AlgorithmConfig, LossTermsConfig, TrainerConfig
+from molt_core.plugins import PluginError
 from molt_core.policy.handle import Policy
 from molt_core.policy.objective import TrainStep
 from molt_core.trajectory import Completion, Trajectory
@@ -242,9 +243,9 @@ def test_estimator_outputs_of_the_wrong_shape_are_one_clear_error(policies):
     def per_token(rewards, values, mask, group_index):
         return rewards                                   # forgot the returns
     per_token.needs_values = True
-    with pytest.raises(ValueError, match=r"estimator 'bad' must return advantages \[R\].*"
-                                         r"shape \(2,\); got \[\(2, 1\)\]"):
+    with pytest.raises(PluginError, match=r"estimator 'bad' must return advantages \[R\].*"
+                                          r"shape \(2,\); got \[\(2, 1\)\]"):
         training_batch(trajs, per_rollout, alg, made["one"], 1.0, 0)
-    with pytest.raises(ValueError, match=r"'bad' must return \(advantages, returns\).*"
-                                         r"needs_values.*\(2, 4\); got \[\(2, 4\)\]"):
+    with pytest.raises(PluginError, match=r"'bad' must return \(advantages, returns\).*"
+                                          r"needs_values.*\(2, 4\); got \[\(2, 4\)\]"):
         training_batch(trajs, per_token, alg, made["one"], 1.0, 0)

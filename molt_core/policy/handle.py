@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from molt_core import weight_sync
 from molt_core.config import TrainerConfig
+from molt_core.plugins import PluginError
 from molt_core.policy.objective import TrainStep, nanmax, num_sequences
 from molt_core.policy.worker import PolicyWorker
 from molt_core.run import cluster
@@ -113,6 +114,10 @@ class Policy:
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"trainer {what} did not finish within {self.cfg.timeout_s}s "
                                "(trainer.timeout_s)") from None
+        except ray.exceptions.RayTaskError as e:     # a plugin's loss: its one-line error
+            if isinstance(e.cause, PluginError):
+                raise PluginError(str(e.cause)) from e
+            raise
 
     def train(self, batch: dict[str, torch.Tensor], spec: TrainStep) -> dict[str, float]:
         """`trainer.epochs` x `trainer.mini_batches` optimizer steps of `spec` on a `collate`

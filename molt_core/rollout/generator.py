@@ -24,14 +24,23 @@ from molt_core.contracts import RolloutContext
 from molt_core.rollout.client import EngineClient
 from molt_core.trajectory import Completion, ImageInput, InvariantError, Trajectory
 
-__all__ = ["FailureRateError", "Generator", "NonFiniteReward", "filter_stale",
+__all__ = ["AbsurdReward", "FailureRateError", "Generator", "NonFiniteReward", "filter_stale",
            "version_lag_metrics"]
 
 log = structlog.get_logger("molt.generator")
 
 
+# |reward| above this is a bug upstream, not a signal: it would swamp the batch's statistics
+MAX_ABS_REWARD = 1e6
+
+
 class NonFiniteReward(ValueError):
-    """A rollout's reward is NaN, inf or not a number (the rollout is dropped, counted)."""
+    """A rollout's reward is NaN, inf, not a number or absurd (|r| > MAX_ABS_REWARD): the rollout
+    is dropped, counted."""
+
+
+class AbsurdReward(NonFiniteReward):
+    """A finite reward with |r| > MAX_ABS_REWARD."""
 
 
 class FailureRateError(RuntimeError):
@@ -243,14 +252,17 @@ class Generator:
         self.counters["rollout/attempted"] += 1
         try:
             traj = await self.agent.rollout(ctx)
-            rewards = [traj.reward, *(traj.turn_rewards or [])]
-            if not all(math.isfinite(float(r)) for r in rewards):
-                raise NonFiniteReward(f"{self._reward_source()} returned reward {traj.reward!r} "
-                                      f"(turn rewards {traj.turn_rewards}) for task {ctx.task}")
+            rewards = [float(r) for r in (traj.reward, *(traj.turn_rewards or []))]
+            if not all(abs(r) <= MAX_ABS_REWARD for r in rewards):
+                kind = AbsurdReward if all(map(math.isfinite, rewards)) else NonFiniteReward
+                raise kind(f"{self._reward_source()} returned reward {traj.reward!r} (turn "
+                           f"rewards {traj.turn_rewards}) for task {ctx.task}; rewards must be "
+                           f"finite and within ±{MAX_ABS_REWARD:g} (generator.MAX_ABS_REWARD)")
         except (InvariantError, asyncio.CancelledError):
             raise
         except BaseException as e:  # SystemExit/KeyboardInterrupt in an env too: never the loop
-            reason = "nonfinite_reward" if isinstance(e, NonFiniteReward) else "agent_error"
+            reason = {NonFiniteReward: "nonfinite_reward", AbsurdReward: "absurd_reward"}.get(
+                type(e), "agent_error")
             self._failed(reason, group_id, rollout_id, f"{type(e).__name__}: {e}")
             return None
         traj.group_id, traj.rollout_id = group_id, rollout_id
