@@ -105,8 +105,7 @@ if cfg["uid"] is not None:
 os.execv(cfg["python"], [cfg["python"], "-I", "-B", "harness.py", *cfg["fds"]])
 """
 
-# Values between the two interpreters: tagged trees of literals; any other object stays with the
-# program, and the judge gets a handle ("r", n) it can use only by sending requests.
+# Values between the interpreters: trees of literals; other objects stay put, as handles ("r", n).
 _CODEC = """
 import ast, collections, os, sys
 KINDS = {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}
@@ -151,8 +150,7 @@ for line in req:
     print(repr(out), file=resp)
 """
 
-# The tests' interpreter, out of the program's reach: it runs each test statement itself, with the
-# program's names (but not over builtins) bound to handles; it says "ok" after each.
+# The tests' interpreter, out of the program's reach: the program's names (not builtins) as handles.
 _JUDGE = _CODEC + """
 import builtins, contextlib, functools, resource
 resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[3]),) * 2)
@@ -310,9 +308,8 @@ def code_reward(response: str, answer: str, *, timeout_s: float = 5.0, memory_mb
                                                      memory_mb, max_processes)
         stdout = (d / "stdout").read_bytes()[-4096:].decode(errors="replace")
         stderr = (d / "stderr").read_bytes()[-4096:].decode(errors="replace")
-    lines = verdict.split("\n")
-    passed = next(i for i, line in enumerate(lines + [""]) if line != "ok")
-    status, _, failure = "\n".join(lines[passed:]).strip().partition(" ")
+    passed = next(i for i, line in enumerate(verdict.split("\n") + [""]) if line != "ok")
+    status, _, failure = verdict.split("\n", passed)[-1].strip().partition(" ")
     info = {"returncode": rc, "seconds": round(time.perf_counter() - t0, 3), "stdout": stdout,
             "stderr": stderr, "network_isolated": "net_ns" in layers,
             "isolation": sorted(layers), "tests_passed": passed}
@@ -328,8 +325,7 @@ def _launch(d: Path, setup: dict, tests: str, layers: set[str], timeout_s: float
     """Run the program in `d` under `setup`, in the namespaces and cgroups `layers` allows
     (cgroups that cannot be made are dropped from `layers`), and the judge of `tests` beside it:
     (the program's exit code, timed out, memory limit hit, the judge's verdict lines)."""
-    req_r, req_w = os.pipe()
-    resp_r, resp_w = os.pipe()
+    (req_r, req_w), (resp_r, resp_w) = os.pipe(), os.pipe()
     python, user = setup["python"], [] if os.geteuid() == 0 else ["-r"]
     argv = [python, "-I", "-c", _SETUP, json.dumps({**setup, "fds": [str(req_r), str(resp_w)]})]
     if "pid_ns" in layers:
@@ -369,8 +365,7 @@ def _launch(d: Path, setup: dict, tests: str, layers: set[str], timeout_s: float
                 for proc in procs:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(proc.pid, signal.SIGKILL)   # --kill-child: the namespace dies
-            procs[0].wait()
-            rc = procs[1].wait()
+            rc = [proc.wait() for proc in procs][1]
             verdict.seek(0)
             lines = verdict.read()
         if "pid_ns" in layers and rc > 128:        # the reaper's 128 + signal

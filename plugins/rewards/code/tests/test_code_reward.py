@@ -209,7 +209,8 @@ for line in open('/proc/self/maps'):
         try:
             with open('/proc/self/mem', 'rb', 0) as mem:
                 mem.seek(lo)
-                found |= set(re.findall(rb'(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])', mem.read(hi - lo)))
+                hexes = rb'(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])'
+                found |= set(re.findall(hexes, mem.read(hi - lo)))
         except (OSError, ValueError, OverflowError):
             pass
 scan(found)""",
@@ -221,4 +222,51 @@ def test_forging_a_pass_from_inside_the_program_scores_zero(forge):
     """Issue 25: the verdict cannot be forged from the program's own process (frames, gc,
     its memory, every fd it holds); the tests are `assert False`."""
     reward, info = code_reward(FORGES[forge], "assert False")
+    assert reward == 0.0 and info["tests_passed"] == 0, info
+
+
+HONEST = {   # what tests do with a program's objects; each also scores 1.0 on the in-process harness
+    "class": ("class Stack:\n    def __init__(self):\n        self.items = []\n"
+              "    def push(self, x):\n        self.items.append(x)\n"
+              "    def __len__(self):\n        return len(self.items)\n",
+              "s = Stack()\ns.push(1)\nassert len(s) == 1 and s.items == [1] and 1 in s.items"),
+    "generator": ("def gen(n):\n    yield from range(n)", "assert list(gen(3)) == [0, 1, 2]"),
+    "containers": ("from collections import Counter, namedtuple\nP = namedtuple('P', 'x y')\n"
+                   "def f():\n    return Counter('aab'), P(1, 2), {3: (b'x', None)}, {4.5}",
+                   "c, p, d, s = f()\nassert c == {'a': 2, 'b': 1} and p == (1, 2) and p.y == 2\n"
+                   "assert d == {3: (b'x', None)} and s == {4.5}"),
+    "inf_and_kwargs": ("def f(a, b=0):\n    return float('inf') if b else a",
+                       "assert f(1, b=1) == float('inf') and f(a=2) == 2"),
+    "raises": ("def f(x):\n    if x < 0:\n        raise ValueError('neg')\n    return x",
+               "try:\n    f(-1)\nexcept ValueError as e:\n    assert str(e) == 'neg'\n"
+               "else:\n    raise AssertionError"),
+    "check_candidate": (ADD, "def check(candidate):\n    assert candidate(1, 2) == 3\ncheck(add)"),
+    "objects": ("class P:\n    def __init__(self, x):\n        self.x = x\n"
+                "    def __eq__(self, o):\n        return self.x == o.x\n"
+                "def pts():\n    return [P(1), P(2)]",
+                "assert [p.x for p in pts()] == [1, 2] and pts()[0] == P(1)"),
+}
+
+
+@pytest.mark.parametrize("case", HONEST)
+def test_tests_use_the_programs_objects_from_the_judge(case):
+    reward, info = code_reward(*HONEST[case])
+    assert reward == 1.0, info
+
+
+@pytest.mark.parametrize("code, tests", [
+    ("class A:\n    def __eq__(self, o):\n        return True\ndef f():\n    return A()",
+     "assert f() == 5"),                                       # equal to anything
+    ("class L(list):\n    def __eq__(self, o):\n        return True\ndef f():\n    return L()",
+     "assert f() == [1]"),
+    ("def abs(x):\n    return 0\ndef f():\n    return 1", "assert abs(f() - 2) < 1e-9"),
+    ("import os\ndef f():\n    os._exit(0)",                   # dies where a test catches all
+     "try:\n    f()\nexcept Exception:\n    pass\nelse:\n    raise AssertionError"),
+    ("import os, sys\ndef f():\n    os.write(int(sys.argv[2]), b\"('ok', ('v', 1))\\n\" * 9)"
+     "\n    return 0", "assert f() == 0\nassert f() == 1"),  # answers ahead of the question
+    ("print(open('tests.py').read())", "assert True"),         # the tests are not in its reach
+])
+def test_the_program_cannot_bend_the_judge(code, tests):
+    """Only data comes back: its equality, its builtins, its replies do not decide a test."""
+    reward, info = code_reward(code, tests)
     assert reward == 0.0 and info["tests_passed"] == 0, info
