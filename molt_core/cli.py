@@ -30,21 +30,23 @@ def recipe_args(p: argparse.ArgumentParser, **recipe: Any) -> None:
     """RECIPE (`recipe`: its add_argument options), key=value overrides, the plugin options."""
     p.add_argument("recipe", **recipe)
     p.add_argument("overrides", nargs="*", default=[], metavar="key=value",
-                   help="config overrides, e.g. trainer.steps=50 seed=1 (before or after options)")
+                   help="config overrides (before or after options); see the examples below")
     plugin_args(p)
 
 
 def run_args(p: argparse.ArgumentParser) -> None:
     recipe_args(p, nargs="?", help="with --resume: optional (default: the run's config)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar: one log line per step instead (for logs and CI)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its latest "
                    "checkpoint (the config may change only in checkpoint.SAFE_TO_CHANGE)")
     p.add_argument("--checkpoint", metavar="PATH", help="with --resume: this checkpoint")
 
 
 def load(recipe: str | None, overrides: list[str], plugin_names: list[str] = (),
-         blocked: list[str] = ()) -> tuple[Config, Plugins]:
-    """Plugins, then config (recipe < --plugin selections < key=value), then cross-checks."""
+         blocked: list[str] = (), weights: bool = True) -> tuple[Config, Plugins]:
+    """Plugins, then config (recipe < --plugin selections < key=value), then cross-checks;
+    `weights` False: missing model weights are a warning (`molt config`), not an error."""
     bad = [b for b in blocked if not b.startswith("no:")]
     if bad:
         raise PluginError(f"-p takes no:NAME to block a plugin (got {bad[0]!r})")
@@ -53,8 +55,11 @@ def load(recipe: str | None, overrides: list[str], plugin_names: list[str] = (),
                       plugins.registry["config_section"])
     check_against_plugins(cfg, plugins)
     if not any(any(Path(cfg.model.path).glob(p)) for p in ("*.safetensors", "*.bin")):
-        raise ConfigError(f"model.path '{cfg.model.path}' has no weights (*.safetensors or "
-                          "pytorch_model*.bin): point it at a complete HF model directory")
+        problem = (f"model.path '{cfg.model.path}' has no weights (*.safetensors or "
+                   "pytorch_model*.bin): point it at a complete HF model directory")
+        if weights:
+            raise ConfigError(problem)
+        structlog.get_logger("molt").warning(problem)
     plugins.hook.molt_configure(cfg=cfg, plugins=plugins)
     return cfg, plugins
 
@@ -97,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     with prestart(args.recipe, args.overrides):     # Ray starts while the plugins import
         cfg, plugins = load(args.recipe, args.overrides, args.plugin, args.blocked)
     from molt_core.run.metrics import configure_logging, make_run_dir
-    configure_logging(fmt=cfg.log.format)
+    configure_logging(getattr(args, "log_level", "INFO"), fmt=cfg.log.format)
     from molt_core.trainer import train
     resume = None
     if args.resume:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import os
 import sys
 from typing import Callable
 
@@ -46,6 +47,25 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+R = "recipes/cpu/next_letter.yaml"
+EXAMPLES: dict[str, list[str]] = {
+    "run": [f"molt run {R} trainer.steps=50 seed=1", "molt run --resume runs/next_letter-20261201-120000"],
+    "validate": [f"molt validate {R} algorithm.estimator=rloo"],
+    "plugins": ["molt plugins", "molt plugins -p no:sink_wandb"],
+    "config": [f"molt config {R} trainer.lr=3e-4"],
+    "report": ["molt report runs/a runs/b --out compare --x time --smoothing 0.9"],
+    "view": ["molt view RUN_DIR --min-reward 0.5", "molt view RUN_DIR --terminal --step 10"],
+    "tiny-model": ["molt tiny-model .cache/tiny-chars --chars"],
+    "new-plugin": ["molt new-plugin --kind estimator my_adv"],
+    "pretrained": ["molt pretrained smollm2-135m-instruct .cache/smollm2-135m-instruct"],
+    "eval": [f"molt eval RUN_DIR/final recipes/cpu/addition.yaml eval.prompts=64"],
+    "serve": ["molt serve recipes/cpu/chat_calculator.yaml --port 8000"],
+    "rollout": ["molt rollout recipes/cpu/chat_calculator.yaml -n 4"],
+    "export": ["molt export RUN_DIR hf-model"],
+}
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
 def _resolve(target: str) -> Callable:
     module, fn = target.split(":")
     return getattr(importlib.import_module(module), fn)
@@ -76,11 +96,27 @@ def parse(argv: list[str]) -> argparse.Namespace | None:
         hint = f"; did you mean '{close[0]}'?" if close else ""
         top.error(f"unknown command {ns.command!r}{hint}" if ns.command else "a COMMAND is required")
     help_, add_args, _ = COMMANDS[ns.command]
-    sub = argparse.ArgumentParser(prog=f"molt {ns.command}", description=help_)
+    examples = "\n".join(f"  {e}" for e in EXAMPLES.get(ns.command, []))
+    sub = argparse.ArgumentParser(prog=f"molt {ns.command}", description=help_,
+                                  epilog=f"examples:\n{examples}" if examples else None,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     _resolve(add_args)(sub)
+    sub.add_argument("-v", "--verbose", action="count", default=0,
+                     help="more log output (-v: DEBUG); default from $MOLT_LOG_LEVEL, else INFO")
+    sub.add_argument("-q", dest="quieter", action="count", default=0,
+                     help="less log output (-q: WARNING, -qq: ERROR)")
     args = sub.parse_intermixed_args(argv[split + 1:])
     args.command, args.argv = ns.command, argv
+    args.log_level = _log_level(args.verbose - args.quieter)
     return args
+
+
+def _log_level(shift: int) -> str:
+    """$MOLT_LOG_LEVEL (default INFO) moved by -v / -q."""
+    env = os.environ.get("MOLT_LOG_LEVEL", "INFO").upper()
+    if env not in LOG_LEVELS:
+        raise SystemExit(f"error: MOLT_LOG_LEVEL={env!r}: use one of {', '.join(LOG_LEVELS)}")
+    return LOG_LEVELS[min(max(LOG_LEVELS.index(env) - shift, 0), len(LOG_LEVELS) - 1)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     from molt_core.config import ConfigError
     from molt_core.run.metrics import RunDirError, configure_logging
     from molt_core.plugins import PluginError
-    configure_logging()
+    configure_logging(args.log_level)
+    # the CLI's own progress lines only: no tqdm bars from transformers / huggingface_hub
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         return _resolve(COMMANDS[args.command][2])(args)
     except (ConfigError, PluginError, RunDirError) as e:   # may come late (once Ray is up)

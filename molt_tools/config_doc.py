@@ -74,6 +74,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from molt_core.cli import load
-    cfg, _ = load(args.recipe, args.overrides, args.plugin, args.blocked)
+    cfg, _ = load(args.recipe, args.overrides, args.plugin, args.blocked, weights=False)
     print("\n".join(render(cfg)))
     return 0

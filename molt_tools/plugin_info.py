@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from molt_core.plugins import PluginError, build_plugins
+from molt_core.plugins import PluginError, _entry_points, _version, build_plugins
 
 
 def main(args: argparse.Namespace) -> int:
     plugins = build_plugins(args.plugin, args.blocked)
-    for name, meta in plugins.info.items():
+    for name, meta in sorted(plugins.info.items()):
         provides = ", ".join(f"{k}:{e}" for (k, e), p in plugins.owner.items() if p == name)
         print(f"{name}  ({meta['distribution']} {meta['version']})\n"
               f"    hooks:    {', '.join(plugins.hooks_of(name))}\n    provides: {provides}")
@@ -17,12 +17,14 @@ def main(args: argparse.Namespace) -> int:
 
 
 def version() -> str:
+    """From the installed distributions' metadata: no plugin is imported (fast)."""
     from molt_core import HOOK_API_VERSION, __version__
     lines = [f"molt-core {__version__} (hook API {HOOK_API_VERSION})"]
     try:
-        plugins = build_plugins()
+        eps = _entry_points()
     except PluginError as e:
         return "\n".join([*lines, f"plugins: error: {e}"])
-    lines += [f"  {n}: {m['distribution']} {m['version']}" for n, m in sorted(plugins.info.items())
-              if n != "builtin"]
+    for name, ep in sorted(eps.items()):
+        dist = getattr(ep.dist, "name", "?")
+        lines.append(f"  {name}: {dist} {_version(dist)}")
     return "\n".join(lines)

@@ -223,3 +223,67 @@ def test_run_in_a_fresh_process_prestarts_ray_and_stops_it_on_bad_input(tiny_rec
     left = [p.pid for p in psutil.process_iter(["cmdline"])
             if ray_tmp in " ".join(p.info["cmdline"] or [])]
     assert not left, f"Ray processes left behind: {left}"
+
+
+def test_look_around_commands_import_no_plugin_torch_or_transformers():
+    """`--version` and `-h` read entry-point metadata only (they took ~12 s importing plugins)."""
+    code = ("import contextlib, sys; from molt_tools.commands import main\n"
+            "with contextlib.suppress(SystemExit): main(sys.argv[1:])\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'ray', 'molt_grpo') "
+            "if m in sys.modules))")
+    for argv in (["--version"], ["-h"]):
+        done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True,
+                              text=True, timeout=120)
+        assert done.stdout.splitlines()[-1] == "[]", (argv, done.stderr[-2000:])
+
+
+@pytest.mark.parametrize("override, hint", [
+    ("algorithm.estimator=gpro", "Did you mean 'grpo'?"),
+    ("trainer.step=3", "Did you mean 'steps'?"),
+])
+def test_typos_get_the_closest_valid_name(capsys, tiny_recipe, override, hint):
+    assert main(["validate", tiny_recipe, override]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and hint in err
+    assert "pip install" not in err
+
+
+def test_plugins_listing_is_sorted(capsys):
+    assert main(["plugins"]) == 0
+    names = [l.split()[0] for l in capsys.readouterr().out.splitlines() if not l.startswith(" ")]
+    assert names == sorted(names) and "grpo" in names
+
+
+def test_config_prints_with_a_warning_when_weights_are_missing(capsys, tiny_recipe, tmp_path):
+    import yaml
+    empty = tmp_path / "no-weights"
+    empty.mkdir()
+    model = Path(yaml.safe_load(Path(tiny_recipe).read_text())["model"]["path"])
+    (empty / "config.json").write_text((model / "config.json").read_text())
+    assert main(["config", tiny_recipe, f"model.path={empty}"]) == 0
+    captured = capsys.readouterr()
+    assert "trainer:" in captured.out and f"path: {empty}" in captured.out
+    assert "has no weights" in captured.err
+    assert main(["validate", tiny_recipe, f"model.path={empty}"]) == 2     # still an error there
+
+
+def test_help_examples_fit_the_command(capsys):
+    for name in ("eval", "serve", "run", "config"):
+        with pytest.raises(SystemExit):
+            parse([name, "-h"])
+        out = capsys.readouterr().out
+        assert f"examples:\n  molt {name} " in out
+        assert ("trainer.steps=50" in out) == (name == "run"), name
+    with pytest.raises(SystemExit):
+        parse(["run", "-h"])
+    assert "no progress bar: one log line per step" in capsys.readouterr().out
+
+
+def test_log_level_from_env_and_flags(monkeypatch):
+    assert parse(["plugins"]).log_level == "INFO"
+    assert parse(["plugins", "-q"]).log_level == "WARNING"
+    assert parse(["plugins", "-qq"]).log_level == "ERROR"
+    assert parse(["plugins", "-v"]).log_level == "DEBUG"
+    monkeypatch.setenv("MOLT_LOG_LEVEL", "warning")
+    assert parse(["plugins"]).log_level == "WARNING"
+    assert parse(["plugins", "-v"]).log_level == "INFO"
