@@ -48,9 +48,12 @@ class _Request:
     routed: list[list[list[int]] | None] = field(default_factory=list)  # MoE: per token
     prompt_routed: list[list[list[int]]] | None = None                   # MoE: per prompt token
     finish_reason: str | None = None
+    rng: torch.Generator | None = None       # a request's own seed: it never shares a wave
+                                             # with the engine-stream requests, nor their draws
 
     def key(self) -> tuple:
-        return tuple(sorted(self.sampling.items())) + (tuple(sorted(self.stop_ids)),)
+        return tuple(sorted(self.sampling.items())) + (tuple(sorted(self.stop_ids)),
+                                                       self.rng is None)
 
 
 class HFEngine:
@@ -115,7 +118,9 @@ class HFEngine:
 
     def _submit(self, prompt_ids: list[int], sampling: dict,
                 images: list[ImageInput] | None) -> asyncio.Future:
-        """Check and queue one request; its future gets the completion (no task per request)."""
+        """Check and queue one request; its future gets the completion (no task per request).
+        `sampling["seed"]` (optional): the request samples from a generator of its own."""
+        seed = (sampling := dict(sampling)).pop("seed", None)
         sampling, stop = check_sampling(sampling)
         if images and self._image_id is None:
             raise ValueError("this engine's model takes no images (not a VL checkpoint)")
@@ -133,6 +138,8 @@ class HFEngine:
         req = _Request([int(t) for t in prompt_ids], sampling,
                        frozenset(stop) if stop is not None else self.default_stop_ids,
                        asyncio.get_running_loop().create_future(), list(images or []))
+        if seed is not None:
+            req.rng = torch.Generator(device=self.device).manual_seed(int(seed))
         self._pending.append(req)
         self._wakeup.set()
         return req.future
@@ -310,7 +317,7 @@ class HFEngine:
                     for r, ids in zip(rows, routed.tolist()):
                         if r.finish_reason is None:
                             r.routed[-1] = ids
-            tokens, logprobs = self._sample(logits, seen, s)
+            tokens, logprobs = self._sample(logits, seen, s, [r.rng for r in rows])
             seen[torch.arange(len(rows)), tokens] = True
             for r, t, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
                 if r.finish_reason is None and r.future.cancelled():  # the caller gave up
@@ -388,8 +395,8 @@ class HFEngine:
         return out.logits[:, -1], routing.ids() if self._moe_sentinel is not None else None
 
     @torch.no_grad()
-    def _sample(self, logits: torch.Tensor, seen: torch.Tensor, s: dict
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits: torch.Tensor, seen: torch.Tensor, s: dict,
+                rngs: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [B, V] -> (tokens [B], behavior log-probs [B]) after penalty and temperature."""
         logits = logits.float()
         if self._banned:
@@ -414,6 +421,10 @@ class HFEngine:
             filtered[probs < s["min_p"] * probs.max(-1, keepdim=True).values] = -float("inf")
         # torch.multinomial (argmax p/Exp(1), 5.4 ms on [512, 512]): an exact -log(U) draw (1.4 ms)
         # learns the same over 8 seeds but moves the stream the learning tests' bounds were set on
-        tokens = torch.multinomial(filtered.softmax(-1), 1, generator=self.generator).squeeze(1)
+        probs = filtered.softmax(-1)
+        if not rngs or rngs[0] is None:
+            tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+        else:
+            tokens = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, rngs)])
         return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
