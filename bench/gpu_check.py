@@ -31,7 +31,7 @@ Runs: none on a GPU yet. 2026-12-02, CPU dry run only (2-core box, torch 2.13): 
 both tiny shapes ran (fp32 gap 4.8e-07, bf16 1-4e-03) but tiny-moe bf16-lora, which fails (PEFT's
 all-linear adapts the MoE router and expert weights: the trainer finds no gates); the same with
 transformers 5.17.0 + huggingface-hub 1.33.0 on the path. A 151936-token vocabulary on the tiny
-layers ran too (fp32 gap 9.5e-07; on the CPU its bf16 lm_head made train steps ~6x slower).
+layers ran too (fp32 gap 9.5e-07; its bf16 train steps ~6x slower than fp32 on this CPU).
 """
 
 from __future__ import annotations
