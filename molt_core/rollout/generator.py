@@ -49,8 +49,11 @@ class FailureRateError(RuntimeError):
 
 class Generator:
     def __init__(self, agent: Any, engines: list[Any], cfg: Config, tokenizer: Any,
-                 vocab_size: int, task_of: Callable[[int], int] | None = None) -> None:
-        self.agent, self.cfg, self.tokenizer = agent, cfg, tokenizer
+                 vocab_size: int, task_of: Callable[[int], int] | None = None,
+                 seeded: bool = False) -> None:
+        """`seeded`: each engine call carries a seed of its own, from its task, rollout and call
+        index (eval: it never draws from, nor shares a wave with, the training stream)."""
+        self.agent, self.cfg, self.tokenizer, self.seeded = agent, cfg, tokenizer, seeded
         self.task_of = task_of or self.task_of       # group id -> task (eval: its own tasks)
         self.client = EngineClient(engines, cfg.engine.timeout_s)
         self.sampling = {**vars(cfg.sampling)}
@@ -247,8 +250,10 @@ class Generator:
         return trajs
 
     async def run_one(self, group_id: int, rollout_id: int) -> Trajectory | None:
-        ctx = RolloutContext(group_id, rollout_id, self.task_of(group_id), dict(self.sampling),
-                             self._generate, self.tokenizer)
+        task = self.task_of(group_id)
+        ctx = RolloutContext(group_id, rollout_id, task, dict(self.sampling),
+                             self._seeded(task, rollout_id) if self.seeded else self._generate,
+                             self.tokenizer)
         self.counters["rollout/attempted"] += 1
         try:
             traj = await self.agent.rollout(ctx)
@@ -292,6 +297,16 @@ class Generator:
     async def _generate(self, prompt_ids: list[int], sampling: dict | None = None,
                         images: list[ImageInput] | None = None) -> Completion:
         return await self.client.generate(prompt_ids, sampling or self.sampling, images)
+
+    def _seeded(self, task: int, rollout_id: int) -> Callable[..., Awaitable[Completion]]:
+        calls = itertools.count()
+
+        async def generate(prompt_ids: list[int], sampling: dict | None = None,
+                           images: list[ImageInput] | None = None) -> Completion:
+            seed = hash((self.cfg.seed, task, rollout_id, next(calls))) % 2**63
+            return await self._generate(prompt_ids, {**(sampling or self.sampling),
+                                                     "seed": seed}, images)
+        return generate
 
     def close(self) -> None:
         """Cancel the running groups, let the agent release what it holds on this loop (its
