@@ -106,3 +106,26 @@ def test_eval_rows_in_training_and_standalone(ray_local, tiny_recipe, tmp_path, 
     assert out["eval/greedy/pass@1"] == evals[0]["eval/greedy/pass@1"]
     assert "eval/sampled/pass@1" not in out
     assert main(["eval", str(tmp_path / "nothing"), tiny_recipe]) == 2
+
+
+def test_eval_leaves_the_training_samples_unchanged(ray_local, tiny_recipe, tmp_path):
+    """Eval requests carry seeds of their own: with eval on, every training token and metric is
+    what it is with eval off (on main eval drew from the engines' training stream)."""
+    from molt_tools.view import read_trajectories
+
+    over = [*ARITHMETIC, "trainer.steps=3", "rollout.groups_per_step=2", "rollout.group_size=4",
+            "sampling.max_new_tokens=6", "log.trajectories_every=1"]
+
+    def run(name: str, *extra: str) -> tuple[list, list]:
+        cfg, plugins = load(tiny_recipe, [*over, *extra])
+        (tmp_path / name).mkdir()
+        history = train(cfg, plugins, tmp_path / name, progress=False)
+        rows = [{k: v for k, v in h.items() if not k.endswith("_s") and "memory" not in k}
+                for h in history if "reward/mean" in h]       # all but times and memory
+        samples = sorted((r["step"], r["group_id"], r["rollout_id"], r["token_ids"],
+                          r["behavior_logprobs"]) for r in read_trajectories(tmp_path / name))
+        return rows, samples
+    off = run("off")
+    on = run("on", "eval.every=1", "eval.prompts=2", "eval.k=2")
+    assert len(on[1]) == len(off[1]) == 3 * 2 * 4
+    assert on == off

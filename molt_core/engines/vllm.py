@@ -181,6 +181,7 @@ class VLLMEngine:
     def _sampling_params(self, sampling: dict) -> Any:
         from vllm import SamplingParams
 
+        seed = (sampling := dict(sampling)).pop("seed", None)     # a request's own (eval)
         sampling, stop = check_sampling(sampling)
         stop_ids = sorted(stop if stop is not None else self.default_stop_ids)
         return SamplingParams(
@@ -191,7 +192,7 @@ class VLLMEngine:
             presence_penalty=0.0, frequency_penalty=0.0,
             max_tokens=int(sampling["max_new_tokens"]), min_tokens=0,
             stop_token_ids=stop_ids, ignore_eos=True, logprobs=0,
-            seed=self.seed * 1_000_003 + next(self._request_ids),
+            seed=self.seed * 1_000_003 + next(self._request_ids) if seed is None else int(seed),
             detokenize=False, skip_special_tokens=False)
 
     async def generate(self, prompt_ids: list[int], sampling: dict) -> Completion:
@@ -294,10 +295,10 @@ class VLLMEngine:
             raise RuntimeError(f"weight bucket for version {version} arrived while the update to "
                                f"version {self._update_version} is unfinished")
         workers = await self._rpc(method, *args, metas, begin)
-        for k, v in workers[0].items():     # weight_read_s, weight_load_s, weight_path
         sums = [w.pop("checksums") for w in workers]    # workers that disagree: None, a mismatch
         self._sums.update({n: c if all(o[n] == c for o in sums) else None
                            for n, c in sums[0].items()})
+        for k, v in workers[0].items():     # weight_read_s, weight_load_s, weight_path
             self._stats[k] = v if isinstance(v, str) else self._stats[k] + v
         self._stats["weight_bytes"] += sum(nbytes(dt, shape) for _, dt, shape, _ in metas)
         self._stats["weight_update_s"] += time.perf_counter() - t0
@@ -325,7 +326,6 @@ class VLLMEngine:
         await self._call(asyncio.gather(*calls), "version label, resume", self.update_timeout_s)
         self._stats["weight_updates"] += 1
         self._stats["weight_update_s"] += time.perf_counter() - t0
-
         return self._sums
 
     async def score(self, token_ids: list[int]) -> list[float]:
@@ -344,6 +344,7 @@ class VLLMEngine:
             return final
         final = await self._call(run(), "score (weight-sync canary)", self.update_timeout_s)
         return [_sampled_logprob(e, t) for e, t in zip(final.prompt_logprobs[1:], token_ids[1:])]
+
     async def _rpc(self, method: str, *args: Any) -> list:
         return await self._call(self._llm.collective_rpc(method, timeout=self.update_timeout_s,
                                                          args=args),

@@ -4,7 +4,8 @@ Eval prompt i is task `EVAL_TASKS + i`, far from the training tasks (`seed * 1_0
 id`), of a held-out split the agent must serve (`eval_agent`: e.g. the arithmetic and math envs'
 `split: test` from `eval.agent_args`). Two passes over the same prompts: greedy (top_k 1), one rollout
 each, and sampled with the recipe's sampling settings, `eval.k` rollouts each. A rollout counts
-as solved when its reward >= `eval.success`. Metrics: `eval/{greedy,sampled}/pass@1` (sampled:
+as solved when its reward >= `eval.success`. Each eval request carries a seed of its own, so
+evaluating never moves the training engines' sampling stream. Metrics: `eval/{greedy,sampled}/pass@1` (sampled:
 mean over samples), `eval/{greedy,sampled}/reward_mean`, `eval/sampled/pass@k`, `eval/time_s`.
 """
 
@@ -66,7 +67,7 @@ def evaluate(cfg: Config, plugins: Any, engines: list[Any], tokenizer: Any,
             continue
         c = copy.deepcopy(cfg)
         c.rollout.group_size, c.sampling = k, dataclasses.replace(cfg.sampling, **knobs)
-        gen = Generator(agent, engines, c, tokenizer, vocab_size, lambda g: EVAL_TASKS + g)
+        gen = Generator(agent, engines, c, tokenizer, vocab_size, lambda g: EVAL_TASKS + g, True)
         try:
             groups = gen.generate(e.prompts)
         finally:
