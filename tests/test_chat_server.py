@@ -875,3 +875,51 @@ def test_stop_string_in_a_reply_that_hit_max_tokens_is_length(api_model_dir, tok
     assert c.finish_reason == "length" and "two" in decode(tok, c.token_ids)
     assert r.choices[0].message.content.startswith("one")
     assert r.choices[0].finish_reason == "length" and traj.truncated
+
+
+def test_half_bodies_time_out_and_disconnects_log_one_line(tiny_model_dir, tok, caplog):
+    """50 clients stall half-way through their body (a 408 once body_timeout_s is up) and 50 more
+    leave half-way: the server answers a real client meanwhile and logs one line per class."""
+    async def half(server, s, leave: bool) -> bytes:
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        path = s.base_url.split(str(server.port), 1)[1] + "/chat/completions"
+        writer.write(f"POST {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {s.api_key}\r\n"
+                     f"content-type: application/json\r\ncontent-length: 1000\r\n\r\n".encode()
+                     + b'{"messages": ' + b" " * 500)
+        await writer.drain()
+        if leave:
+            writer.close()
+            return b""
+        try:
+            return await asyncio.wait_for(reader.read(), 120)   # not a time assert: a hang guard
+        finally:
+            writer.close()
+
+    async def main():
+        server = ChatServer(body_timeout_s=2.0)
+        await server.start()
+        s = server.open_session(tok, Recorder(HFEngine(str(tiny_model_dir))),
+                                sampling(tok, max_new_tokens=2), max_context=512)
+        stalled = [asyncio.create_task(half(server, s, False)) for _ in range(50)]
+        client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+        r = await client.chat.completions.create(model="p", messages=[
+            {"role": "user", "content": "hi"}])
+        await client.close()
+        answers = await asyncio.gather(*stalled)
+        await asyncio.gather(*(half(server, s, True) for _ in range(50)))
+        for _ in range(1200):                  # the server sees each leave on its own loop turn
+            if server.dropped["disconnect"] == 50:
+                break
+            await asyncio.sleep(0.05)
+        server.close_session(s)
+        await server.close()
+        return r, answers, dict(server.dropped)
+
+    with caplog.at_level("WARNING", logger="molt.chat_server"):
+        r, answers, dropped = run(main())
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert all(a.startswith(b"HTTP/1.1 408") and b"within 2 s" in a for a in answers), answers[0]
+    assert dropped == {"body_timeout": 50, "disconnect": 50}
+    lines = [r for r in caplog.records if r.name == "molt.chat_server"]
+    assert not [r for r in caplog.records if r.exc_info], "no traceback per disconnect"
+    assert len(lines) == 2 and "whole request body" in lines[1].getMessage(), lines

@@ -34,12 +34,14 @@ import logging
 import secrets
 import socket
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from molt_core import multimodal
 from molt_core.chat import api as api_
@@ -254,18 +256,23 @@ def _decode(api: str, raw: bytes) -> tuple[dict, str]:
     return body, key
 
 
-async def _read_body(request: Any, limit: int) -> bytes:
+async def _read_body(request: Any, limit: int, timeout: float) -> bytes:
     too_big = RequestError(413, f"the request body is over this session's limit of {limit} "
                                 "bytes (chat agent option max_request_mb)")
     n = request.headers.get("content-length", "")
     if n.isdigit() and int(n) > limit:
         raise too_big
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout):       # a slow or stalled client holds no slot
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_big
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestError(408, f"the request body did not arrive within {timeout:g} s "
+                                "(ChatServer body_timeout_s)") from None
     return b"".join(chunks)
 
 
@@ -282,8 +289,10 @@ class ChatServer:
 
     host = "127.0.0.1"
 
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, body_timeout_s: float = 30.0) -> None:
         self.sessions: dict[str, ChatSession] = {}
+        self.body_timeout_s = body_timeout_s
+        self.dropped: Counter[str] = Counter()     # requests lost to their client, by class
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((self.host, port))
@@ -357,7 +366,7 @@ class ChatServer:
 
     async def _handle(self, api: str, sid: str, request: Any) -> tuple[dict, bool]:
         s = self._session(sid, request.headers)
-        raw = await _read_body(request, s.max_body_bytes)
+        raw = await _read_body(request, s.max_body_bytes, self.body_timeout_s)
         big = len(raw) > _BIG
         body, key = await asyncio.to_thread(_decode, api, raw) if big else _decode(api, raw)
         stream = bool(body.get("stream"))      # the reply is generated whole either way
@@ -409,6 +418,12 @@ class ChatServer:
                                         body.get("model") or "molt-policy", s._raw_args, lps)
         return api_.responses_response(reply, content, calls, malformed, body, s._raw_args, lps)
 
+    def _drop(self, kind: str, what: str) -> None:
+        """One log line per class of lost request (a flood of them is no log flood)."""
+        self.dropped[kind] += 1
+        if self.dropped[kind] == 1:
+            _log.warning("chat server: %s (logged once; ChatServer.dropped counts them)", what)
+
     def _app(self) -> Any:
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -426,7 +441,12 @@ class ChatServer:
         async def serve(api: str, session: str, request: Request) -> Response:
             try:
                 resp, stream = await self._handle(api, session, request)
+            except ClientDisconnect:
+                self._drop("disconnect", "a client left before sending its whole request body")
+                return Response(status_code=400)
             except RequestError as e:
+                if e.status == 408:
+                    self._drop("body_timeout", str(e))
                 return error(api, e)
             except Exception as e:     # one logged traceback and a clean 500, never ASGI noise
                 _log.exception("chat server: %s request failed", api)
