@@ -245,6 +245,10 @@ HONEST = {   # what tests do with a program's objects; each also scores 1.0 on t
                 "    def __eq__(self, o):\n        return self.x == o.x\n"
                 "def pts():\n    return [P(1), P(2)]",
                 "assert [p.x for p in pts()] == [1, 2] and pts()[0] == P(1)"),
+    "module_data": ("EVEN = [i % 2 == 0 for i in range(10**6)]\nMOD, NONE = 7, None\n"  # big: a handle
+                    "SMALL = [1, {2}]\ndef f(i):\n    return EVEN[i]",
+                    "assert f(4) and not f(3) and EVEN[2] and len(EVEN) == 10**6\n"
+                    "assert MOD == 7 and NONE is None and SMALL == [1, {2}]"),
 }
 
 
