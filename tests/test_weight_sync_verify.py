@@ -34,7 +34,8 @@ def test_checksums_are_exact_per_tensor_and_see_one_changed_element():
 
 def run(tmp_path, model, steps: int, *args: str) -> list[dict]:
     cfg, plugins = load(toy_recipe(tmp_path, model), [f"trainer.steps={steps}",
-                                                     "log.trajectories_every=0", *args],
+                                                     "log.trajectories_every=0",
+                                                     "check.canary_every=1", *args],
                         ["corrupt_plugin"])
     assert cfg.engine.name == "hf_corrupt"
     return train(cfg, plugins, tmp_path, progress=False)
@@ -64,3 +65,15 @@ def test_a_transient_mismatch_is_counted_and_pushed_again(ray_local, tiny_chars_
                   "engine.args.times=1")
     assert [h["faults/weight_sync_mismatches"] for h in history] == [0, 0, 1, 1]
     assert 0 <= history[-1]["check/canary_max_abs"] < 1e-4     # fp32: the same forward
+
+
+def test_by_default_the_canary_checks_the_first_sync_and_every_tenth(ray_local, tiny_chars_dir,
+                                                                    tmp_path):
+    """A load that corrupts from the first sync on is caught there (`check.canary_every=10`)."""
+    with pytest.raises(WeightMismatchError, match=r"version 1: engine 0 .* canary text"):
+        run(tmp_path, tiny_chars_dir, 2, "engine.args.where=load", "engine.args.from_version=1",
+            "check.canary_every=10")
+    (tmp_path / "late").mkdir()
+    history = run(tmp_path / "late", tiny_chars_dir, 4, "engine.args.where=load",
+                  "check.canary_every=10")      # corrupted from version 2: unseen until 11
+    assert history[-1]["faults/weight_sync_mismatches"] == 0

@@ -66,7 +66,7 @@ def setup(ray_local, tiny_model_dir):
         num_ranks=1, timeout_s=120.0, weight_sync_timeout_s=60.0, weight_sync_bucket_mb=0.05,
         weight_sync_transport="ray", in_driver=False))
     cfg = Config()
-    cfg.model.path = str(tiny_model_dir)
+    cfg.model.path, cfg.check.canary_every = str(tiny_model_dir), 1
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     generator = Generator(None, [engine], cfg, tokenizer, len(tokenizer))
     assert ray.get(engine.get_version.remote(), timeout=300) == 0

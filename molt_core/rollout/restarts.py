@@ -21,7 +21,7 @@ from molt_core.trajectory import Trajectory
 __all__ = ["EngineDiedError", "EngineRestarts"]
 
 log = structlog.get_logger("molt.cluster")
-CANARY = "the quick brown fox jumps over the lazy dog; 1 + 2 = 3, (4 * 5) - 6 = 14."
+CANARY = "the quick brown fox jumps over the lazy dog; 1 + 2 = 3."
 
 
 class EngineDiedError(RuntimeError):
@@ -90,12 +90,13 @@ class EngineRestarts:
         return stats
 
     def check_canary(self, version: int) -> None:
-        """Every `check.canary_every` syncs: each engine's log-probs of `CANARY` are the
-        trainer's on the weights just pushed (`version`), within `check.consistency_tol`."""
+        """Every `check.canary_every` syncs from the first (a layout bug shows at once): each
+        engine's log-probs of `CANARY` are the trainer's on the weights just pushed (`version`),
+        within `check.consistency_tol`."""
         from molt_core.trainer import logprob_gaps
         from molt_core.weight_sync import WeightMismatchError, _wait
         every, tol = self.cfg.check.canary_every, self.cfg.check.consistency_tol
-        if not every or version % every:
+        if not every or (version - 1) % every:
             return
         ids = list(self.gen.tokenizer(CANARY, add_special_tokens=False)["input_ids"])
         engines = [e for e in self.engines if hasattr(e, "score")]
