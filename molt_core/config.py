@@ -174,9 +174,9 @@ class CheckConfig:
     consistency_every: int = 10          # steps between engine-vs-trainer log-prob checks (0: off)
     consistency_tol: float = 1e-3        # max |engine - trainer| log-prob on on-policy tokens
 
+    canary_every: int = 10               # weight syncs between canary checks, from the 1st (0: off)
 
 @dataclass
-    canary_every: int = 10               # weight syncs between canary checks, from the 1st (0: off)
 class EvalConfig:
     """Held-out evaluation (`molt_core.rollout.eval`): before step 0, every `every` steps, at the end."""
     every: int = 0                       # steps between evaluations; 0: off
