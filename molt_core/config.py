@@ -173,8 +173,8 @@ class AgentConfig:
 class CheckConfig:
     consistency_every: int = 10          # steps between engine-vs-trainer log-prob checks (0: off)
     consistency_tol: float = 1e-3        # max |engine - trainer| log-prob on on-policy tokens
-
     canary_every: int = 10               # weight syncs between canary checks, from the 1st (0: off)
+
 
 @dataclass
 class EvalConfig:
