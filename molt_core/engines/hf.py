@@ -178,6 +178,8 @@ class HFEngine:
             for name, tensor in named_tensors:
                 self._params[name].copy_(tensor)
                 self._updated.add(id(self._params[name]))
+        names = [n for n, _ in named_tensors]      # what the parameters now hold
+        self._sums.update(zip(names, weight_sync.checksums([(n, self._params[n]) for n in names])))
 
     async def weight_group_info(self) -> tuple[int, str]:
         import ray
@@ -185,8 +187,6 @@ class HFEngine:
 
     async def join_weight_group(self, host: str, port: int, rank: int, world_size: int,
                                 backend: str, timeout_s: float) -> None:
-        names = [n for n, _ in named_tensors]      # what the parameters now hold
-        self._sums.update(zip(names, weight_sync.checksums([(n, self._params[n]) for n in names])))
         self._group = await asyncio.to_thread(weight_sync.WeightGroup, host, port, rank,
                                               world_size, backend, timeout_s)
 
@@ -222,13 +222,6 @@ class HFEngine:
         self._stats["weight_updates"] += 1
         if not self._paused:
             self._can_run.set()
-
-    async def rng_state(self) -> torch.Tensor:
-        """The sampling RNG (checkpointed, so a resumed sync run samples what it would have)."""
-        return self.generator.get_state()
-
-    async def set_rng_state(self, state: torch.Tensor) -> None:
-        self.generator.set_state(state)
         return self._sums
 
     async def weight_checksums(self) -> dict[str, int]:
@@ -245,6 +238,13 @@ class HFEngine:
         if self._banned:
             logits[:, self._banned] = -float("inf")
         return logits.log_softmax(-1).gather(1, ids[0, 1:, None]).squeeze(1).tolist()
+
+    async def rng_state(self) -> torch.Tensor:
+        """The sampling RNG (checkpointed, so a resumed sync run samples what it would have)."""
+        return self.generator.get_state()
+
+    async def set_rng_state(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
 
     async def get_version(self) -> int:
         return self._version
