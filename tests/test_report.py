@@ -1,47 +1,65 @@
-"""`molt report`: two runs' metrics overlaid, one PNG per plot, each with both runs' data."""
+"""`molt report` on two real tiny runs: one PNG per plot with information, each series in the
+legend under its run's name, flat plots skipped and listed, an index.html showing every plot."""
 
 from __future__ import annotations
 
-import json
-import math
+import re
 
 import matplotlib.image
+import pytest
 
 from molt_tools.commands import main
-from molt_tools.report import PLOTS, write_report
-
-KEYS = ["reward/mean", "reward/max", "reward/min", "eval/accuracy", "kl", "mismatch/kl",
-        "entropy", "clip_fraction", "mismatch/max_abs", "rollout/version_lag_mean",
-        "rollout/version_lag_max", "response/len_mean", "response/truncated", "time/generate_s",
-        "train/fwd_bwd_s", "train/optim_s", "time/weight_sync_s", "time/step_s",
-        "rollout/trajectories"]
+from molt_tools.report import PLOTS, ema, write_report
+from real_runs import real_run
 
 
-def fake_run(path, shift: float, steps: int = 6):
-    path.mkdir()
-    with open(path / "metrics.jsonl", "w") as f:
-        for s in range(steps):
-            row = {k: abs(math.sin(s + i + shift)) + 0.1 for i, k in enumerate(KEYS)}
-            evaluation = {"eval/accuracy": row.pop("eval/accuracy")}
-            f.write(json.dumps({"step": s, "time": 1e9 + s, "elapsed_s": s, **row}) + "\n")
-            if s % 2 == 0:                        # evaluation rows of their own, every 2 steps
-                f.write(json.dumps({"step": s, **evaluation}) + "\n")
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory, tiny_chars_dir):
+    root = tmp_path_factory.mktemp("report-runs")
+    a = real_run(root / "a", tiny_chars_dir, "trainer.steps=6", "name=alpha")
+    b = real_run(root / "b", tiny_chars_dir, "trainer.steps=4", "name=beta", "seed=2",
+                 "algorithm.terms.kl_coef=0.05")
+    return a, b
 
 
-def test_report_on_two_runs(tmp_path, capsys):
-    a, b = tmp_path / "run-a", tmp_path / "run-b"
-    fake_run(a, 0.0)
-    fake_run(b, 1.0, steps=4)
-    drawn = write_report([a, b], tmp_path / "out")
-    assert set(drawn) == set(PLOTS)
+def test_report_on_two_real_runs(two_runs, tmp_path):
+    a, b = two_runs
+    out = tmp_path / "out"
+    drawn, skipped = write_report([a, b], out)
+    assert {p.stem for p in out.glob("*.png")} == set(drawn)
+    assert set(drawn) | set(skipped) == set(PLOTS) and not set(drawn) & set(skipped)
+    assert {"reward", "loss", "grad_norm", "entropy", "mismatch", "step_time"} <= set(drawn)
+    assert skipped["clip_fraction"] == "every value is 0"       # one optimizer step a batch
+    assert skipped["staleness"] == "every value is 0"           # sync rollouts
     for plot, series in drawn.items():
-        assert {s.split(":")[0] for s in series} == {"run-a", "run-b"}, plot
-        assert all(n > 0 for n in series.values())
-        img = matplotlib.image.imread(tmp_path / "out" / f"{plot}.png")
+        runs = {s.split(": ")[0] for s in series}
+        assert runs == ({b.name} if plot == "policy_kl" else {a.name, b.name}), plot
+        assert all(n > 0 for n in series.values()), plot
+        img = matplotlib.image.imread(out / f"{plot}.png")
         assert img.shape[0] > 100 and img[..., :3].std() > 0.05, plot
-    assert drawn["eval"] == {"run-a: eval/accuracy": 3, "run-b: eval/accuracy": 2}
-    assert drawn["tokens_per_s"]["run-b: tokens_per_s"] == 4
-    assert drawn["reward"]["run-a: reward/mean"] == 6, "evaluation rows merge into their step"
-    assert main(["report", str(a)]) == 0
-    assert f"report: {a / 'report'} (10 plots)" in capsys.readouterr().out
-    assert len(list((a / "report").glob("*.png"))) == len(PLOTS)
+    assert drawn["reward"] == {f"{a.name}: reward/{k}": 6 for k in ("mean", "max", "min")} | \
+        {f"{b.name}: reward/{k}": 4 for k in ("mean", "max", "min")}
+    parts = {s.split(": ")[1] for s in drawn["step_time"]}
+    assert parts == {"time/generate_s", "train/fwd_bwd_s", "train/optim_s", "time/weight_sync_s",
+                     "other"}
+    index = (out / "index.html").read_text()
+    assert re.findall(r'<img src="(\w+)\.png"', index) == list(drawn)
+    assert all(PLOTS[n][0] in index.split("Skipped")[1] for n in skipped)
+
+
+def test_one_run_kl_off_wall_time_axis_and_the_command(two_runs, tmp_path, capsys):
+    a, _ = two_runs
+    drawn, skipped = write_report([a], tmp_path / "t", smoothing=0.0, x="time")
+    assert skipped["policy_kl"] == "algorithm.terms.kl_coef is 0"
+    assert drawn["reward"] == {f"{a.name}: reward/mean": 6, f"{a.name}: reward/max": 6,
+                               f"{a.name}: reward/min": 6}
+    assert main(["report", str(a), "--smoothing", "0.9"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"report: {a / 'report' / 'index.html'} (") and "skipped" in out
+    assert main(["report", str(a), "--smoothing", "1"]) == 2
+
+
+def test_ema_is_debiased_and_zero_smoothing_is_raw():
+    assert ema([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])
+    assert ema([0.0, 1.0], 0.0) == [0.0, 1.0]
+    assert ema([0.0, 1.0], 0.5) == pytest.approx([0.0, 2 / 3])
