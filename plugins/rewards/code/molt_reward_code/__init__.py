@@ -273,13 +273,13 @@ def _hidden_homes() -> list[str]:
 def code_reward(response: str, answer: str, *, timeout_s: float = 5.0, memory_mb: int = 512,
                 max_output_kb: int = 256, max_processes: int = 16,
                 isolate_network: bool = True) -> tuple[float, dict]:
-    """1.0 if `extract_code(response)` runs and then every statement of `answer` (test code, e.g.
-    asserts) completes, in the sandbox; `memory_mb` bounds each process (and all together with
-    cgroups), `max_processes` the processes (with cgroups or as root).
+    """1.0 if `extract_code(response)` runs in the sandbox and then every statement of `answer`
+    (test code, e.g. asserts, run by the judge) completes; `memory_mb` bounds each process (and all
+    together with cgroups), `max_processes` the processes (with cgroups or as root).
 
     Otherwise 0.0 with `info["reason"]`: no_code, timeout, cpu_time_limit, memory_limit,
-    process_limit, output_limit, early_exit, killed_by_signal, failed (then `info["error"]` is
-    the last stderr line). `info["tests_passed"]`: test statements completed.
+    process_limit, output_limit, early_exit, killed_by_signal, failed (then `info["error"]` is the
+    failed test's exception or the program's last stderr line). `info["tests_passed"]`: tests run.
     """
     code = extract_code(response)
     if not code.strip():
