@@ -148,6 +148,7 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path, smoothing: flo
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     dirs = [Path(d) for d in run_dirs]
     runs = {_label(d, dirs): read_metrics(d) for d in dirs}
@@ -171,6 +172,8 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path, smoothing: flo
         for ax in axes:
             ax.set(xlabel=xlabel)
             ax.grid(alpha=0.3)
+            if x == "step":
+                ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         axes[0].set_ylabel(ylabel)
         fig.suptitle(title)
         fig.tight_layout()

@@ -61,15 +61,33 @@ def _turns(row: dict[str, Any]) -> list[tuple[int, int]]:
     return out
 
 
+def tokenizer_dir(run_dir: str | Path) -> Path:
+    """RUN_DIR/final (the run's own copy), else the run's `model.path` if it is a directory here;
+    a one-line RunDirError when neither is (a copied run dir whose model path was relative)."""
+    from molt_core.run.metrics import RunDirError
+
+    run_dir = Path(run_dir)
+    final = run_dir / "final"
+    if any((final / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return final
+    try:
+        model = Path(yaml.safe_load((run_dir / "config.yaml").read_text())["model"]["path"])
+    except (OSError, KeyError, TypeError):
+        model = None
+    if model is not None and model.is_dir():
+        return model.resolve()
+    raise RunDirError(f"no tokenizer for {run_dir}: neither {final} nor the run's model.path "
+                      f"({model or 'missing in config.yaml'}) is a tokenizer directory here; "
+                      "pass --tokenizer DIR")
+
+
 def load_rows(run_dir: str | Path, tokenizer_path: str | None = None) -> list[dict[str, Any]]:
     """Saved rows with per-token text (`tokens`), roles and turn spans added."""
     from transformers import AutoTokenizer
 
     run_dir = Path(run_dir)
     rows = read_trajectories(run_dir)
-    if tokenizer_path is None:
-        tokenizer_path = yaml.safe_load((run_dir / "config.yaml").read_text())["model"]["path"]
-    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    tok = AutoTokenizer.from_pretrained(tokenizer_path or tokenizer_dir(run_dir))
     for r in rows:
         r["tokens"] = tok.batch_decode([[i] for i in r["token_ids"]])
         r["roles"] = token_roles(r)
@@ -140,7 +158,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=20, help="rollouts printed (--terminal)")
     p.add_argument("--per-step", type=int, default=64,
                    help="rollouts per step put in the HTML file (0: all)")
-    p.add_argument("--tokenizer", default=None, help="default: the run's model.path")
+    p.add_argument("--tokenizer", default=None, help="default: RUN_DIR/final, else the run's model.path")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -108,3 +108,20 @@ def test_html_view_in_headless_chromium(run_dir, tmp_path, capsys):
     assert img.shape[:2] == (700, 1000) and img.std() > 0.02
     trainable = np.array([0xb9, 0xf6, 0xca]) / 255                      # .trainable background
     assert (np.abs(img - trainable).max(-1) < 0.02).sum() > 20, "no trainable token drawn"
+
+
+def test_tokenizer_from_final_in_a_copied_run_dir_else_one_line_error(run_dir, tiny_chars_dir,
+                                                                       tmp_path, monkeypatch,
+                                                                       capsys):
+    """A recipe's relative model.path died in huggingface_hub ('Repo id must use alphanumeric
+    chars') from another directory, although RUN_DIR/final holds the tokenizer."""
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"model": {"path": ".cache/tiny-chars"}}))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["view", str(run_dir), "--terminal"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: no tokenizer for {run_dir}") and err.count("\n") == 1
+    AutoTokenizer.from_pretrained(tiny_chars_dir).save_pretrained(run_dir / "final")
+    assert main(["view", str(run_dir), "--terminal"]) == 0
+    assert "guess 1-9" in capsys.readouterr().out
