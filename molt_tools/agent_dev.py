@@ -14,6 +14,7 @@ highlighted).
 from __future__ import annotations
 
 import copy
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -106,7 +107,7 @@ def rollout(args: Any) -> int:
 
 def serve(args: Any, ready: Callable[[dict], None] | None = None,
           stop: threading.Event | None = None) -> int:
-    """Serve until Ctrl-C (or `stop`); `ready` gets the URLs and key once serving."""
+    """Serve until Ctrl-C, SIGTERM (or `stop`); `ready` gets the URLs and key once serving."""
     from transformers import AutoConfig
 
     from molt_core.run import cluster
@@ -117,7 +118,10 @@ def serve(args: Any, ready: Callable[[dict], None] | None = None,
     max_context = AutoConfig.from_pretrained(cfg.model.path).get_text_config() \
         .max_position_embeddings
     stop = stop or threading.Event()
+    main_thread = threading.current_thread() is threading.main_thread()
     with cluster.start(cfg, plugins, trainer=False) as (_, engines):
+        # after Ray's start: its C++ handler would abort (exit 134) with a stack dump
+        old = signal.signal(signal.SIGTERM, lambda *_: stop.set()) if main_thread else None
         gen = Generator(None, engines, cfg, tok, vocab)
         server = ChatServer(port=args.port)
         try:
@@ -140,6 +144,8 @@ def serve(args: Any, ready: Callable[[dict], None] | None = None,
         finally:
             gen.submit(server.close()).result(timeout=10)
             gen.close()
+            if main_thread:
+                signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
     if len(traj):
         print(f"saved {_save(run_dir, [traj], tok, None)}")
     return 0
