@@ -108,3 +108,27 @@ def test_micro_batches_keep_a_rollouts_segments_together():
     plain = {k: v for k, v in batch.items() if k != "rollout_index"}
     worker.cfg["micro_batch_size"] = 3
     assert [len(mb["input_ids"]) for mb in PolicyWorker._micro_batches(worker, plain)] == [3, 3, 2]
+
+
+def test_tiny_model_step_is_the_same_whatever_the_micro_batch_size(ray_local, tiny_model_dir):
+    """GSPO on the real trainer: micro-batches of 2 rows (the 3-segment rollout must not be cut)
+    give the one-micro-batch step's loss and gradient norm."""
+    from molt_core.config import TrainerConfig
+    from molt_core.policy.handle import Policy
+    batch, _, _ = training_batch(_rollouts(True), grpo_advantages, AlgorithmConfig(), None, 1.0,
+                                 0)
+    spec = TrainStep(gspo_loss, {"clip_low": 0.9, "clip_high": 9.0}, "seq-mean-token-mean")
+    out = []
+    for size in (64, 2):
+        policy = Policy(str(tiny_model_dir), TrainerConfig(micro_batch_size=size), seed=0)
+        try:
+            if not out:     # behavior log-probs near the trainer's: ratios inside the clip
+                noise = 0.3 * torch.randn(batch["loss_mask"].shape,
+                                           generator=torch.Generator().manual_seed(2))
+                batch["behavior_logprobs"] = (policy.logprobs(batch) + noise) * batch["loss_mask"]
+            out.append(policy.train(batch, spec))
+        finally:
+            policy.shutdown()
+    assert out[0]["grad_norm"] > 0
+    for key in ("loss", "grad_norm"):     # a cut rollout: 1.4 % and 0.1 % apart
+        assert abs(out[0][key] - out[1][key]) < 1e-5 * abs(out[0][key]), key
