@@ -18,8 +18,9 @@ model's chat template, generates in token space with the rollout's
   text (`parse_tool_calls`); the sampled tokens stay as sampled. Images: base64 data URIs become
   the template's image placeholders (`molt_core.multimodal`). Streaming: `molt_core.chat.stream`.
 
-Limits: a body over the session's `max_body_bytes` is a 413, JSON nested deeper than 64 levels a
-400; large bodies are parsed, rendered and tokenized off the event loop. The server binds
+Limits: a body over the session's `max_body_bytes` is a 413, one not in within `body_timeout_s` a
+408, JSON nested deeper than 64 levels a 400; large bodies are parsed, rendered and tokenized off
+the event loop. The server binds
 127.0.0.1 only, on a random port: one per process and event loop (`shared_server()`), started
 lazily on the running loop (the generator's), where all sessions are served concurrently.
 """
