@@ -8,6 +8,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -212,23 +213,38 @@ def test_a_resumed_writer_waits_for_the_killed_runs_writer(tiny_chars_dir, tmp_p
     3 on, so each step is saved once, not the old writer's 3-5 beside the new ones."""
     import signal
 
-    from molt_core.run.trajectory_store import _SERVE, TrajectoryWriter
+    from molt_core.run.trajectory_store import (_SERVE, TrajectoryWriter, trajectory_rows,
+                                                write_trajectories)
+
+    def seed(step: int) -> Path:     # a file of an earlier run, which a writer's start removes
+        path = tmp_path / "trajectories" / f"step_{step:06d}.parquet"
+        write_trajectories(path, trajectory_rows(step, make_trajs(tok, step), tok))
+        return path
+
+    def poll(done) -> None:          # a safety net for a hung writer, not a timing
+        for _ in range(600):
+            if done():
+                return
+            time.sleep(0.5)
 
     tok = AutoTokenizer.from_pretrained(tiny_chars_dir)
     (tmp_path / "trajectories").mkdir()
+    started = seed(99)
     old = subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE,
                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    old.stdin.write(pickle.dumps((tmp_path / "trajectories", tok, 0)) + pickle.dumps("flush"))
+    old.stdin.write(pickle.dumps((tmp_path / "trajectories", tok, 0)))
     old.stdin.flush()
-    assert old.stdout.readline() == b"ok\n"         # it runs (and holds the run's writer lock)
+    poll(lambda: not started.exists())
     old.send_signal(signal.SIGSTOP)                 # starved: it reads nothing more for now
     for step in range(6):
         old.stdin.write(pickle.dumps((step, make_trajs(tok, step, 0.0), {}, None)))
     old.stdin.close()                               # its driver is gone
+    started = seed(98)
     new = TrajectoryWriter(tmp_path, tok, start=3)
     for step in range(3, 6):
         new.write(step, make_trajs(tok, step, 10.0))
+    # the new writer has replaced steps 3 on, or it waits for the old one (a file lock)
+    poll(lambda: not started.exists() or "lock" in Path(f"/proc/{new.proc.pid}/wchan").read_text())
     old.send_signal(signal.SIGCONT)
     new.close()
     assert old.wait(timeout=300) == 0
