@@ -157,6 +157,9 @@ class RolloutConfig:
     # streaming pool (async/partial): groups running or finished-and-waiting; 0 = groups_per_step
     # (one batch ahead; more lets fast groups go first, but the surplus ages past max_staleness)
     max_inflight_groups: int = 0
+    # async: batch i is sampled by exactly the weights of version max(0, i - max_staleness)
+    # (one batch at a time, overlapping the training steps), so a seed fixes the run bit for bit
+    deterministic: bool = False
 
 
 @dataclass
