@@ -78,15 +78,14 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                 with _timed(times, "time/train_s"):
                     metrics = policy.train(batch, train_step(cfg, plugins, step, version))
                 rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-                metrics.update(rollout_metrics(trajs, rewards, adv, version), **adv_metrics,
-                               **generator.counters)
+                metrics.update(rollout_metrics(trajs, rewards, adv, version), **adv_metrics)
                 with _timed(times, "time/weight_sync_s"):
                     version = scheme.sync_weights(step)
                     restarts.check_canary(version)
                 saved.write(step, trajs, policy)
                 check_consistency(cfg, step, metrics, lambda: probe_consistency(
                     generator, policy, version, cfg.sampling.temperature))
-                log(step, {**metrics, "version": version, **times,
+                log(step, {**metrics, **generator.counters, "version": version, **times,
                            "time/engine_busy_s": generator.client.busy_s(),
                            "time/step_s": time.perf_counter() - t0})
                 if ckpt.step_end(step, version):     # SIGINT/SIGTERM: saved; stop

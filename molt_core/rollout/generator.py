@@ -70,6 +70,8 @@ class Generator:
         self._failed_in_a_row = 0
         self._changed: asyncio.Event | None = None
         self._revive: Callable[[dict[int, str]], None] | None = None   # see on_engine_death
+        self._batch, self._avail, self._lag = 0, 0, 0   # deterministic pool (start_chain)
+        self._running: asyncio.Task | None = None        # its batch being generated
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
                                         name="molt-generator")
@@ -87,8 +89,10 @@ class Generator:
     def state_dict(self) -> dict[str, Any]:
         """Task cursor, counters and the pool: finished groups and the ids of running ones."""
         async def snap() -> dict[str, Any]:
+            while self._running is not None:      # deterministic pool: whole batches
+                await asyncio.wait([self._running])
             return {"next_group": self._next_group, "counters": dict(self.counters),
-                    "buffer": list(self._buffer),
+                    "buffer": list(self._buffer), "batch": self._batch,
                     "reissue": self._reissue + sorted(self._inflight.values())}
         return self.submit(snap()).result()
 
@@ -102,7 +106,7 @@ class Generator:
             await asyncio.gather(*tasks, return_exceptions=True)
             self._next_group, self._reissue = state["next_group"], list(state["reissue"])
             self.counters = Counter(state["counters"])
-            self._buffer = list(state["buffer"])
+            self._buffer, self._batch = list(state["buffer"]), state.get("batch", 0)
             if self._pool_cap:
                 self._refill()
         self.submit(load()).result()
@@ -148,6 +152,41 @@ class Generator:
     def start_pool(self, max_groups: int) -> None:
         """Keep up to `max_groups` groups running or finished-and-waiting from now on."""
         self.submit(self._start_pool(max_groups)).result()
+
+    def advance(self, version: int, groups: int, lag: int) -> None:
+        """The deterministic pool (`take` as from the streaming pool): batch j, `groups` groups
+        generated as `generate` does, one batch at a time, starts once `version` >= j - lag is
+        on the engines, so timing never decides which weights sample it."""
+        async def go() -> None:
+            self._pool_cap, self._lag, self._chain_n = groups * (lag + 1), lag, groups
+            self._changed = self._changed or asyncio.Event()
+            self._advance(version)
+        self.submit(go()).result()
+
+    def drain(self) -> None:
+        """Blocking: the deterministic pool's batches finished (none starts until `advance`)."""
+        async def wait() -> None:
+            while self._running is not None:
+                await asyncio.wait([self._running])
+        self._wait(self.submit(wait()))
+
+    def _advance(self, version: int) -> None:
+        self._avail = version
+        if self._running is None and version >= self._batch - self._lag:
+            self._running = asyncio.ensure_future(self.collect(self._chain_n))
+            self._running.add_done_callback(self._batch_done)
+
+    def _batch_done(self, task: asyncio.Task) -> None:
+        self._running = None
+        if task.cancelled():
+            return
+        if task.exception() is not None:
+            self._pool_error = self._pool_error or task.exception()
+        else:
+            self._buffer += task.result()
+            self._batch += 1
+            self._advance(self._avail)
+        self._changed.set()
 
     def take(self, n: int) -> list[list[Trajectory]]:
         """Blocking: the first `n` finished groups (oldest first); the rest stay in the pool."""
@@ -204,7 +243,7 @@ class Generator:
         while len(self._buffer) < n:
             if self._pool_error is not None:
                 raise self._pool_error
-            if not self._inflight and not self._pool_open:
+            if not self._inflight and not self._pool_open and self._running is None:
                 raise RuntimeError(f"take({n}): the pool is stopped with {len(self._buffer)} "
                                    "finished groups")
             self._changed.clear()
@@ -218,10 +257,10 @@ class Generator:
         await asyncio.gather(*self._inflight, return_exceptions=True)
 
     async def _cancel_all(self) -> None:
-        self._pool_open = False
-        for t in self._inflight:
+        self._pool_open, tasks = False, [*self._inflight, *[self._running] * bool(self._running)]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._inflight, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*self.client.aborts, return_exceptions=True)
 
     async def run_group(self, group_id: int) -> list[Trajectory] | None:
@@ -311,7 +350,7 @@ class Generator:
     def close(self) -> None:
         """Cancel the running groups, let the agent release what it holds on this loop (its
         `aclose()`, if it has one: the chat agent's server), stop the loop."""
-        closing = [self._cancel_all()] if self._inflight else []
+        closing = [self._cancel_all()] if self._inflight or self._running else []
         if hasattr(self.agent, "aclose"):
             closing.append(self.agent.aclose())
         for coro in closing:

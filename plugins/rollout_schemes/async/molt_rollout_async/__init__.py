@@ -5,6 +5,8 @@
 versions (`molt-rollout-partial` switches inside one). Unset, the staleness bound is the pool's
 depth in batches, ceil(pool / groups_per_step): a group waits at most that many steps in the
 normal flow, so only the long tail is dropped; 0 is rejected (every pooled group would be).
+With `rollout.deterministic`, batch i is sampled by exactly version max(0, i - max_staleness)
+(`Generator.start_chain`): a push waits for the batch in flight, so timing decides nothing.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ class AsyncScheme:
         self.cfg, self.generator, self.policy, self.engines = cfg, generator, policy, engines
         self.version = 0                       # the weights the trainer trains next
         r = cfg.rollout
-        self.pool_size = r.max_inflight_groups or r.groups_per_step
-        generator.start_pool(self.pool_size)
+        self.pool_size = r.groups_per_step * (r.max_staleness + 1) if r.deterministic else \
+            r.max_inflight_groups or r.groups_per_step
+        self.started = False
 
     def next_batch(self, step: int) -> list[list[Trajectory]]:
         return self.refill(self.cfg.rollout.groups_per_step)
@@ -34,6 +37,11 @@ class AsyncScheme:
         """n finished groups within the staleness bound (also a batch filter's `refill`); n may
         exceed the pool: it is taken in pool-sized parts as the pool refills."""
         r = self.cfg.rollout
+        if r.deterministic:          # batches start here (after a push), so none is running
+            self.generator.advance(self.version, r.groups_per_step, r.max_staleness)   # at a save
+        elif not self.started:       # here, not in __init__: after a resume's restore
+            self.started = True
+            self.generator.start_pool(self.pool_size)
         out: list[list[Trajectory]] = []
         while len(out) < n:
             groups = self.generator.take(min(n - len(out), self.pool_size))
@@ -43,6 +51,10 @@ class AsyncScheme:
 
     def sync_weights(self, step: int) -> int:
         self.version += 1
+        if self.cfg.rollout.deterministic:
+            self.generator.drain()
+            self.push()
+            return self.version
         self.generator.hold_requests()
         try:
             self.push()
@@ -66,6 +78,9 @@ def configure(cfg: Config, scheme: str) -> None:
             f"rollout.max_staleness versions) than the ones being "
             "trained; without an importance-sampling correction the update is biased. Set "
             "algorithm.correction to tis, icepop or mis (thresholds in algorithm.correction_args)")
+    if r.deterministic and scheme != "async":
+        raise ConfigError(f"rollout.deterministic with rollout.scheme={scheme}: only the async "
+                          "scheme has a deterministic mode so far; use rollout.scheme=async")
     depth = -(-(r.max_inflight_groups or r.groups_per_step) // r.groups_per_step)
     if r.max_staleness is None:
         r.max_staleness = depth
