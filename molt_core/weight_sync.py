@@ -329,7 +329,8 @@ def checksums(named: list[tuple[str, torch.Tensor]]) -> list[int]:
     for _, t in named:
         b = t.detach().reshape(-1).view(torch.uint8)
         b, n = b if b.storage_offset() % 8 == 0 else b.clone(), len(b) // 8 * 8
-        out.append(b[:n].view(torch.int64).sum() + b[n:].sum())
+        s = (b if n == len(b) else b[:n]).view(torch.int64).sum()
+        out.append(s if n == len(b) else s + b[n:].sum())
     return torch.stack(out).tolist() if out else []
 
 
