@@ -7,6 +7,7 @@ the fix. Plugin-specific options live under the plugin's own section (see `molt_
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import types
