@@ -25,11 +25,23 @@ def add_adapters(model: torch.nn.Module, lora: dict) -> torch.nn.Module:
     left in eval mode, the adapters' dropout off in every forward (the ratio's log-probs must be
     the merged weights' the engines sample): `lora.dropout` only reaches the exported config."""
     from peft import inject_adapter_in_model
-    model = inject_adapter_in_model(peft_config(lora), model).eval()
+    model = inject_adapter_in_model(peft_config(lora | {"target_modules": _targets(
+        model, lora["target_modules"])}), model).eval()
     if not any(".lora_A." in n for n, _ in model.named_parameters()):
         raise ValueError(f"trainer.lora.target_modules={lora['target_modules']!r} matched no "
                          "Linear of the model: use PEFT module names (q_proj, ...) or all-linear")
     return model
+
+
+def _targets(model: torch.nn.Module, targets: str | list) -> str | list:
+    """all-linear as the names of the model's Linear layers but the output head: PEFT's own
+    all-linear also adapts MoE routers and fused experts, which routing replay and `merged` need
+    as they are (a MoE policy's experts stay frozen)."""
+    if targets != "all-linear":
+        return targets
+    head = model.get_output_embeddings()
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                   if isinstance(m, torch.nn.Linear) and m is not head})
 
 
 def merged(named: Named, scaling: float) -> Named:

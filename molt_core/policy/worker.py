@@ -75,6 +75,7 @@ class PolicyWorker:
         # fp32 masters; with LoRA only the adapters train (PEFT keeps them fp32)
         lora_rank = self.cfg["lora"]["rank"]
         model = multimodal.load_model(model_path, dtype if lora_rank else torch.float32)
+        moe.keep_router_fp32(model)     # frozen LoRA bases load in `dtype`, routers stay fp32
         model = model.to(self.device)
         if lora_rank:
             model = lora.add_adapters(model, self.cfg["lora"])
