@@ -857,7 +857,11 @@ def test_lone_surrogate_and_nan_temperature_are_400s(tiny_model_dir, tok, caplog
     assert not rec.calls and not [r for r in caplog.records if r.exc_info]
 
 
-def test_stop_string_in_a_reply_that_hit_max_tokens_is_length(api_model_dir, tok):
+def test_stop_string_cut_is_stop_even_where_the_engine_hit_max_tokens(api_model_dir, tok):
+    """The engines take no stop strings: the hf engine samples on to the cap and the server cuts
+    at the stop string, dropping the rest. The reply (and the trajectory) is then what a natively
+    stopping engine returns, complete: "stop", not truncated. A reply the cap cut before any
+    stop string is "length" and truncated."""
     async def main():
         server, rec = await started(), Recorder(HFEngine(str(api_model_dir)))
         s = server.open_session(tok, rec, cold(tok), max_context=512)
@@ -874,7 +878,9 @@ def test_stop_string_in_a_reply_that_hit_max_tokens_is_length(api_model_dir, tok
     ((_, c),) = rec.calls
     assert c.finish_reason == "length" and "two" in decode(tok, c.token_ids)
     assert r.choices[0].message.content.startswith("one")
-    assert r.choices[0].finish_reason == "length" and traj.truncated
+    assert "two" not in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop" and not traj.truncated
+    assert 0 < sum(traj.loss_mask) < len(c.token_ids)      # the tokens past "two" dropped
 
 
 def test_half_bodies_time_out_and_disconnects_log_one_line(tiny_model_dir, tok, caplog):

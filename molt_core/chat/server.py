@@ -181,8 +181,8 @@ class ChatSession:
         while k < len(c.token_ids) and text[:pos].startswith(self._decode(c.token_ids[:k + 1])):
             k += 1
         routed = c.routed_experts[:k] if c.routed_experts is not None else None
-        finish = "length" if c.finish_reason == "length" else "stop"    # truncated all the same
-        return Completion(c.token_ids[:k], c.logprobs[:k], c.versions[:k], finish, routed,
+        # "stop" even if the engine ran on to the cap: what followed the stop string is dropped
+        return Completion(c.token_ids[:k], c.logprobs[:k], c.versions[:k], "stop", routed,
                           c.prompt_routed_experts), s
 
     async def turn(self, prep: _Prep, max_tokens: int | None, stop: list[str] = (),
