@@ -65,8 +65,9 @@ class Engine(Protocol):
         """One bucket of full tensors by HF name; the first of `version` blocks decoding until
         `finish_weight_update`. A wrong name, shape or dtype: ValueError, the update left open."""
 
-    async def finish_weight_update(self, version: int) -> None:
-        """Serve `version`; RuntimeError (update left open) if a parameter was not assigned."""
+    async def finish_weight_update(self, version: int) -> dict[str, int] | None:
+        """Serve `version`; RuntimeError (update left open) if a parameter was not assigned.
+        May return {name: `weight_sync.checksums` value} of what it holds; the sender checks it."""
 
     async def get_version(self) -> int:
         """The version served (0 before any update); also the core's readiness probe."""

@@ -36,8 +36,7 @@ class ForwardConsistencyError(RuntimeError):
 
 def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
           progress: bool = True, resume: Path | None = None) -> list[dict[str, Any]]:
-    """Run `cfg.trainer.steps` steps (from checkpoint `resume` on); returns the per-step metrics
-    and, with `eval.every`, held-out evaluation rows in between (`_Log`)."""
+    """`cfg.trainer.steps` steps (from checkpoint `resume` on): per-step and eval rows (`_Log`)."""
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     vocab_size = AutoConfig.from_pretrained(cfg.model.path).get_text_config().vocab_size
     agent = plugins.get("agent", cfg.agent.name)(cfg, tokenizer, plugins, **cfg.agent.args)
@@ -57,7 +56,6 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
         saved = TrajectoryWriter(run_dir, tokenizer, cfg.log.trajectories_every,
                                  cfg.log.trajectories_per_step, generator.task_of, start)
         ckpt.flush = saved.flush
-        refill = getattr(scheme, "refill", generator.generate)   # for batch filters (DAPO)
         log = _Log(cfg, plugins, sink, partial(evaluate, cfg, plugins, engines, tokenizer,
                                                 vocab_size))
         try:
@@ -66,7 +64,8 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                 t0, times = time.perf_counter(), {}
                 with _timed(times, "time/generate_s"):
                     groups = scheme.next_batch(step)
-                groups = filter_batch(plugins, groups, step, refill)
+                groups = filter_batch(plugins, groups, step,   # refill: for DAPO-style filters
+                                      getattr(scheme, "refill", generator.generate))
                 if not groups:          # the filters kept nothing: no update this step, counted
                     generator.counters["trainer/empty_batches"] += 1
                     log(step, {"version": version, **generator.counters})
@@ -77,11 +76,9 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
                     policy, cfg.sampling.temperature, tokenizer.pad_token_id or 0)
                 with _timed(times, "time/train_s"):
                     metrics = policy.train(batch, train_step(cfg, plugins, step, version))
-                rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-                metrics.update(rollout_metrics(trajs, rewards, adv, version), **adv_metrics)
-                with _timed(times, "time/weight_sync_s"):
-                    version = scheme.sync_weights(step)
-                    restarts.check_canary(version)
+                metrics.update(rollout_metrics(trajs, adv, version), **adv_metrics)
+                with _timed(times, "time/weight_sync_s"):     # the push, then its canary
+                    restarts.check_canary(version := scheme.sync_weights(step))
                 saved.write(step, trajs, policy)
                 check_consistency(cfg, step, metrics, lambda: probe_consistency(
                     generator, policy, version, cfg.sampling.temperature))
@@ -186,8 +183,9 @@ def check_consistency(cfg: Config, step: int, metrics: dict[str, Any],
             "or tokenizer, or a model config mismatch between the two loads.")
 
 
-def rollout_metrics(trajs: list[Trajectory], rewards: torch.Tensor, adv: torch.Tensor,
-                    version: int = 0) -> dict[str, float]:
+def rollout_metrics(trajs: list[Trajectory], adv: torch.Tensor, version: int = 0
+                    ) -> dict[str, float]:
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
     lens = torch.tensor([t.num_trainable for t in trajs], dtype=torch.float32)
     groups: dict[int, list[float]] = {}
     for t in trajs:

@@ -129,8 +129,13 @@ def send(named: Iterable[tuple[str, torch.Tensor]], engines: list, version: int,
             _wait(group.loading[slot], engines, timeout_s, f"receive_shm (version {version})")
             group.loading[slot] = []
         group.unlink()
-    got = _wait([e.finish_weight_update.remote(version) for e in engines], engines, timeout_s,
-                f"finish_weight_update (version {version})")
+    _verify(_wait([e.finish_weight_update.remote(version) for e in engines], engines, timeout_s,
+                  f"finish_weight_update (version {version})"), sent, engines, version)
+    return {"bytes": total, "buckets": buckets, "seconds": time.perf_counter() - t0,
+            "checksums": {n: c for n, (_, c) in sent.items()}}
+
+
+def _verify(got: list, sent: dict[str, tuple[int, int]], engines: list, version: int) -> None:
     for i, sums in enumerate(got):      # None: an engine that keeps no checksums
         bad = [n for n, c in (sums or {}).items() if n in sent and sent[n][1] != c]
         if bad:
@@ -139,8 +144,6 @@ def send(named: Iterable[tuple[str, torch.Tensor]], engines: list, version: int,
                 f"than trainer rank 0 sent for {len(bad)} parameter(s), first '{bad[0]}' of "
                 f"bucket {sent[bad[0]][0]} (checksum {sums[bad[0]]}, sent {sent[bad[0]][1]}): the "
                 "transport or the engine's load changed them")
-    return {"bytes": total, "buckets": buckets, "seconds": time.perf_counter() - t0,
-            "checksums": {n: c for n, (_, c) in sent.items()}}
 
 
 def connect(engines: list, timeout_s: float, transport: str = "broadcast"

@@ -42,7 +42,7 @@ def test_rows_carry_time_and_fan_out_to_sinks(tmp_path, monkeypatch):
     assert [r["step"] for r in rows] == [0, 1] and rows[1]["reward/mean"] == 0.5
     assert rows[0]["time"] <= rows[1]["time"] and 0 <= rows[0]["elapsed_s"] <= rows[1]["elapsed_s"]
     assert mem.closed and [s for s, _ in mem.rows] == [0, 1]
-    assert mem.rows[1][1] == {k: v for k, v in rows[1].items() if k not in ("step", "note")}
+    assert mem.rows[1][1] == {k: v for k, v in rows[1].items() if k not in ("step", "note", "time")}
     lines = [json.loads(line) for line in err.getvalue().splitlines()]     # JSON lines
     assert [(e["event"], e["step"], e["reward"]) for e in lines] == [("step", "1/2", 0.0),
                                                                       ("step", "2/2", 0.5)]
@@ -59,7 +59,7 @@ def test_reward_spread_metrics():
         for r in rewards:
             trajs.append(Trajectory(group_id=group, reward=r))
     rewards = torch.tensor([t.reward for t in trajs])
-    m = rollout_metrics(trajs, rewards, torch.zeros(6))
+    m = rollout_metrics(trajs, torch.zeros(6))
     assert m["reward/zero_std_groups"] == pytest.approx(2 / 3)
     assert m["reward/std"] == pytest.approx(rewards.std(unbiased=False).item())
 

@@ -48,7 +48,8 @@ log = structlog.get_logger("molt.checkpoint")
 SAFE_TO_CHANGE = ("trainer.steps", "trainer.save_every", "trainer.keep_last", "trainer.timeout_s",
                   "trainer.weight_sync_timeout_s", "engine.timeout_s", "engine.max_restarts",
                   "agent.timeout_s", "agent.max_failure_rate", "check.consistency_every",
-                  "ray.address", "ray.num_cpus", "name", "out_dir", "metrics.")
+                  "check.canary_every", "ray.address", "ray.num_cpus", "name", "out_dir",
+                  "metrics.")
 
 
 class CheckpointError(RunDirError):
