@@ -9,12 +9,14 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib
+import importlib.util
 import importlib.metadata as md
 import inspect
 import os
 import sys
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
@@ -24,7 +26,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from molt_core import HOOK_API_VERSION, __version__, hookspecs
 from molt_core.config import ConfigError, type_name, type_ok
 
-__all__ = ["KINDS", "PluginError", "Plugins", "build_plugins"]
+__all__ = ["KINDS", "PluginError", "Plugins", "build_plugins", "import_module"]
 
 BUILTINS = ("molt_core.builtin",)
 # registry kind -> (hook, config key it selects)
@@ -149,21 +151,23 @@ def build_plugins(plugins: list[str] = (), blocked: list[str] = ()) -> Plugins:
             continue
         dist = getattr(ep.dist, "name", "?")
         _register(pm, _load(ep), name, info, {"distribution": dist, "version": _version(dist)})
-    for name in plugins:
+    selected = [Path(n).stem if _is_file(n) else n for n in plugins]
+    for spec, name in zip(plugins, selected):
         if name in blocked:
             raise PluginError(f"plugin '{name}' is both selected (--plugin) and blocked (-p no:)")
         if name in info:
             continue
         try:
-            module = importlib.import_module(name)
+            module = import_module(spec)
         except ImportError as e:
             if not name.startswith(e.name or "\0"):        # the module exists; its import failed
                 raise PluginError(f"plugin module '{name}' failed to import: {e}") from None
             valid = ", ".join(sorted(set(eps) | {n for n in info if n != "builtin"})) or "(none)"
             raise PluginError(f"unknown plugin '{name}'; installed plugins: {valid}. Install it "
-                              "(pip install <package>) or pass an importable module path") from None
+                              "(pip install <package>), or name a module in the current "
+                              "directory or a file (./my_plugin.py)") from None
         except Exception as e:  # a broken plugin must name itself
-            raise PluginError(f"plugin module '{name}' failed to import: {type(e).__name__}: "
+            raise PluginError(f"plugin module '{spec}' failed to import: {type(e).__name__}: "
                               f"{e}") from None
         _register(pm, module, name, info, {"distribution": "(module)", "version": "-"})
     _check_hook_names(pm)
@@ -184,7 +188,38 @@ def build_plugins(plugins: list[str] = (), blocked: list[str] = ()) -> Plugins:
                                                      f"{owner[(kind, entry)]})", _RETURNS[kind])
             if trace and inspect.isfunction(obj):
                 entries[entry] = _traced(obj, f"{kind} '{entry}'", owner[(kind, entry)])
-    return Plugins(pm, info, registry, owner, list(plugins), blocked)
+    return Plugins(pm, info, registry, owner, selected, blocked)
+
+
+def _is_file(name: str) -> bool:
+    return name.endswith(".py") or os.sep in name
+
+
+def import_module(name: str) -> ModuleType:
+    """Module `name`, looked up in the current directory too (as `python -m` does), or the file
+    `name` (`./my_env.py`: module `my_env`). Ray pickles the functions of either by value, so
+    actors that do not see the file can run them."""
+    if _is_file(name):
+        path = Path(name).resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"no file {name}")
+        if getattr(sys.modules.get(path.stem), "__file__", str(path)) != str(path):
+            raise ImportError(f"{name}: another module '{path.stem}' is imported; rename the file")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = sys.modules[path.stem] = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)      # type: ignore[union-attr]
+        except BaseException:
+            del sys.modules[path.stem]
+            raise
+    else:
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.append(os.getcwd())
+        module = importlib.import_module(name)
+    if _is_file(name) or Path(getattr(module, "__file__", None) or "/").parent == Path.cwd():
+        from ray import cloudpickle
+        cloudpickle.register_pickle_by_value(module)
+    return module
 
 
 def _check_hook_names(pm: pluggy.PluginManager) -> None:

@@ -105,3 +105,30 @@ def test_plugins_command_lists_hooks(capsys):
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
     assert "molt-estimator-grpo" in out and "molt_estimators" in out
+
+
+def test_plugin_from_the_current_directory_and_from_a_file(tiny_recipe, tmp_path, monkeypatch,
+                                                           capsys):
+    """`--plugin my_module` finds ./my_module.py and `--plugin ./path/file.py` loads that file
+    (on main: 'unknown plugin' and a TypeError); the file's functions pickle by value, so Ray
+    actors that cannot import it run them."""
+    from ray import cloudpickle
+
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "molt_test_cwd.py").write_text(EST.replace("{name}", "cwd"))
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "molt_test_file.py").write_text(EST.replace("{name}", "from_file"))
+    assert main(["validate", tiny_recipe, "--plugin", "molt_test_cwd"]) == 0
+    assert "estimator=cwd" in capsys.readouterr().out
+    cfg, plugins = load(tiny_recipe, [], ["./sub/molt_test_file.py"])
+    assert cfg.algorithm.estimator == "from_file" and plugins.selected == ["molt_test_file"]
+    blob = cloudpickle.dumps(plugins.get("estimator", "from_file"))
+    del sys.modules["molt_test_file"]
+    assert cloudpickle.loads(blob)(2.0, None, scale=3.0) == 6.0
+    for bad, says in (("./sub/missing.py", "no file ./sub/missing.py"),
+                      ("./sub/json.py", "another module 'json' is imported")):
+        (tmp_path / "sub" / "json.py").write_text("")
+        with pytest.raises(PluginError, match=says):
+            build_plugins([bad])
+    del sys.modules["molt_test_cwd"]
