@@ -195,6 +195,9 @@ class EvalConfig:
 class RayConfig:
     address: str = ""                    # empty: start a local Ray
     num_cpus: int = 0                    # local Ray only; 0 = all cores
+    embedded: Literal["auto", "on", "off"] = "auto"   # on: no Ray; the engine runs on a thread
+    # of the driver. auto: on where nothing needs Ray (no ray.address, one hf engine and one
+    # trainer rank reserving nothing, no GPU); off: Ray always
 
 
 @dataclass

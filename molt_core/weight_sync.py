@@ -36,6 +36,8 @@ import ray
 import torch
 import torch.distributed as dist
 
+from molt_core.run import actors
+
 __all__ = ["Meta", "ShmChannel", "WeightGroup", "WeightMismatchError", "WeightSyncError",
            "checksums", "connect", "pack", "push", "send", "unpack"]
 
@@ -100,7 +102,7 @@ def send(named: Iterable[tuple[str, torch.Tensor]], engines: list, version: int,
                                    for e in engines]
             return
         if group is None:
-            ref = ray.put(bucket)               # ray.put copies: no clone needed
+            ref = actors.put(bucket)            # ray.put copies; embedded: the engine copies
             _wait([e.update_weights.remote(ref, version) for e in engines], engines, timeout_s,
                   f"update_weights ({what})")
             return
@@ -179,11 +181,11 @@ def connect(engines: list, timeout_s: float, transport: str = "broadcast"
 
 
 def _wait(refs: list, engines: list, timeout_s: float, what: str) -> list:
-    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    _, pending = actors.wait(refs, num_returns=len(refs), timeout=timeout_s)
     for i, r in enumerate(refs):
         if r not in pending:
             try:
-                ray.get(r)
+                actors.get(r)
             except ray.exceptions.RayActorError:
                 raise WeightSyncError(f"weight sync: engine {i} ({engines[i]}) died during "
                                       f"{what}") from None
@@ -192,15 +194,15 @@ def _wait(refs: list, engines: list, timeout_s: float, what: str) -> list:
         raise TimeoutError(f"weight sync: {', '.join(late)} did not finish {what} within "
                            f"{timeout_s}s (trainer.weight_sync_timeout_s); the trainer ranks are "
                            "now out of step, restart the run")
-    return ray.get(refs)
+    return actors.get(refs)
 
 
 def _dead(refs: list, engines: list, wait_s: float = 5.0) -> str:
     """" (engine i died)" if one of `refs`' engines is dead, else "" (after at most wait_s)."""
-    ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+    actors.wait(refs, num_returns=len(refs), timeout=wait_s)
     for i, r in enumerate(refs):
         try:
-            ray.get(r, timeout=0)
+            actors.get(r, timeout=0)
         except ray.exceptions.RayActorError:
             return f" (engine {i} ({engines[i]}) died)"
         except Exception:

@@ -21,7 +21,7 @@ from molt_core.config import TrainerConfig
 from molt_core.plugins import PluginError
 from molt_core.policy.objective import TrainStep, nanmax, num_sequences
 from molt_core.policy.worker import PolicyWorker
-from molt_core.run import cluster
+from molt_core.run import actors, cluster
 
 __all__ = ["Policy"]
 
@@ -215,8 +215,9 @@ class Policy:
         self._get([w.load_checkpoint.remote(path, critic) for w in self.workers], "resume")
 
     def push_weights(self, engines: list, version: int) -> dict[str, Any]:
-        args = (engines, version, int(self.cfg.weight_sync_bucket_mb * 2**20),
-                self.cfg.weight_sync_timeout_s, self.cfg.weight_sync_transport)
+        args = (engines, version, int(self.cfg.weight_sync_bucket_mb * 2**20),     # embedded:
+                self.cfg.weight_sync_timeout_s,        # the tensors themselves, the engine copies
+                "ray" if actors.is_local(engines) else self.cfg.weight_sync_transport)
         if self.in_driver:          # the push is done: its stats (`_InDriver`)
             return self.workers[0].push_weights.remote(*args)
         return weight_sync.push(self.workers, *args)

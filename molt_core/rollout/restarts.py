@@ -15,6 +15,7 @@ import ray
 import structlog
 
 from molt_core.config import Config
+from molt_core.run import actors
 from molt_core.run.cluster import spawn_engine
 from molt_core.trajectory import Trajectory
 
@@ -57,7 +58,7 @@ class EngineRestarts:
             dead = dict(self.gen.client.dead)
             for i, e in enumerate(self.engines):
                 try:
-                    ray.get(e.get_version.remote(), timeout=self.cfg.engine.timeout_s)
+                    actors.get(e.get_version.remote(), timeout=self.cfg.engine.timeout_s)
                 except ray.exceptions.RayActorError as err:
                     dead[i] = " ".join(f"{type(err).__name__}: {err}".split())[:300]
             if not dead:
@@ -75,8 +76,9 @@ class EngineRestarts:
                     "log for why it dies")
             self.gen.counters["faults/engine_restarts"] = n + 1
             log.warning("engine_restart", engine=i, cause=cause, restarts=n + 1)
-            self.engines[i] = spawn_engine(self.cfg, self.plugins, i, f"-r{n + 1}")
-        ray.get([self.engines[i].get_version.remote() for i in dead],    # loaded: as at start
+            self.engines[i] = spawn_engine(self.cfg, self.plugins, i, f"-r{n + 1}",
+                                           actors.is_local(self.engines))
+        actors.get([self.engines[i].get_version.remote() for i in dead],    # loaded: as at start
                 timeout=self.cfg.engine.timeout_s)
         self.policy.push_weights(self.engines if push_all else [self.engines[i] for i in dead],
                                  version)
@@ -117,7 +119,8 @@ class EngineRestarts:
         i = bad[0]
         where = "its bucket checksums matched the trainer's: the bytes arrived intact"
         if hasattr(engines[i], "weight_checksums"):
-            now = ray.get(engines[i].weight_checksums.remote(), timeout=self.cfg.engine.timeout_s)
+            now = actors.get(engines[i].weight_checksums.remote(),
+                             timeout=self.cfg.engine.timeout_s)
             changed = [n for n, c in now.items() if self.sent.get(n, c) != c]
             where = (f"its parameter '{changed[0]}' (and {len(changed) - 1} more) no longer "
                      "holds the bytes trainer rank 0 sent" if changed else where)

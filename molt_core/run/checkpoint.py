@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import ray
 import structlog
 import torch
 import torch.distributed.checkpoint as dcp
@@ -35,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import yaml
 
 from molt_core.config import Config, ConfigError, to_dict
+from molt_core.run import actors
 from molt_core.run.metrics import RunDirError, resume_hint
 from molt_core.trajectory import ImageInput, Trajectory
 
@@ -48,8 +48,8 @@ log = structlog.get_logger("molt.checkpoint")
 SAFE_TO_CHANGE = ("trainer.steps", "trainer.save_every", "trainer.keep_last", "trainer.timeout_s",
                   "trainer.weight_sync_timeout_s", "engine.timeout_s", "engine.max_restarts",
                   "agent.timeout_s", "agent.max_failure_rate", "check.consistency_every",
-                  "check.canary_every", "ray.address", "ray.num_cpus", "name", "out_dir",
-                  "metrics.")
+                  "check.canary_every", "ray.address", "ray.num_cpus", "ray.embedded", "name",
+                  "out_dir", "metrics.")
 
 
 class CheckpointError(RunDirError):
@@ -168,7 +168,7 @@ class Checkpointer:
             self.policy.push_weights(self.engines, self.version)
         for e, rng in zip(self.engines, state["engine_rng"]):
             if rng is not None and hasattr(e, "set_rng_state"):
-                ray.get(e.set_rng_state.remote(rng), timeout=self.cfg.engine.timeout_s)
+                actors.get(e.set_rng_state.remote(rng), timeout=self.cfg.engine.timeout_s)
         gen = state["generator"]
         gen["buffer"] = [[_traj_load(t) for t in g] for g in gen["buffer"]]
         self.generator.load_state_dict(gen)
@@ -215,7 +215,7 @@ class Checkpointer:
             plugin_state = {impl.plugin_name: impl.function()
                             for impl in self.plugins.hook.molt_state_dict.get_hookimpls()}
             timeout = self.cfg.engine.timeout_s
-            engine_rng = [ray.get(e.rng_state.remote(), timeout=timeout)
+            engine_rng = [actors.get(e.rng_state.remote(), timeout=timeout)
                           if hasattr(e, "rng_state") else None for e in self.engines]
             buf = io.BytesIO()          # a full disk: an OSError, where torch.save's is not
             torch.save({"step": done, "version": self.version, "critic": critic,

@@ -23,9 +23,10 @@ import ray
 import structlog
 
 from molt_core.config import Config, ConfigError, load_config
+from molt_core.run import actors
 
-__all__ = ["actor_options", "check_resources", "engine_kwargs", "init_ray", "num_threads",
-           "prestart", "rank_placement", "reserved", "spawn_engine", "start"]
+__all__ = ["actor_options", "check_resources", "embedded", "engine_kwargs", "init_ray",
+           "num_threads", "prestart", "rank_placement", "reserved", "spawn_engine", "start"]
 
 log = structlog.get_logger("molt.cluster")
 _early: dict[str, threading.Event] = {}     # "up": set once prestart's ray.init has returned
@@ -57,7 +58,8 @@ def prestart(recipe: str, overrides: list[str]) -> Iterator[None]:
         cfg = load_config(recipe, overrides)
     except ConfigError:
         cfg = None
-    if cfg and not (cfg.ray.address or ray.is_initialized() or _early or "torch" in sys.modules):
+    if cfg and not (cfg.ray.address or ray.is_initialized() or _early or "torch" in sys.modules
+                    or embedded(cfg, trainer=True, cuda=False)):
         _early["up"] = threading.Event()
         threading.Thread(target=_start_local, args=(cfg, _early["up"]), daemon=True).start()
     try:
@@ -67,6 +69,19 @@ def prestart(recipe: str, overrides: list[str]) -> Iterator[None]:
             _early.pop("up").wait()
             _shutdown()
         raise
+
+
+def embedded(cfg: Config, trainer: bool, cuda: bool) -> bool:
+    """Whether the run goes without Ray (`ray.embedded`): the engine on a thread of the driver
+    (`actors.LocalActor`), the trainer rank in the driver (`trainer.in_driver`)."""
+    if cfg.ray.embedded != "auto":
+        return cfg.ray.embedded == "on"
+    t, e = cfg.trainer, cfg.engine
+    ranks_ok = not trainer or (t.in_driver and t.num_ranks == 1 and t.gpus_per_rank <= 0
+                               and not t.cpus_per_rank and not t.resources)
+    return (ranks_ok and not cfg.ray.address and not cuda and e.name == "hf"
+            and e.num_engines == 1 and e.gpus_per_engine <= 0 and not e.cpus_per_engine
+            and not e.resources)
 
 
 def init_ray(cfg: Config) -> bool:
@@ -146,11 +161,18 @@ def engine_kwargs(cfg: Config, index: int) -> dict[str, Any]:
     return kwargs
 
 
-def spawn_engine(cfg: Config, plugins: Any, index: int, suffix: str = "") -> Any:
-    """Engine actor `index` (`suffix` names a replacement of a dead one apart)."""
+def spawn_engine(cfg: Config, plugins: Any, index: int, suffix: str = "",
+                 local: bool = False) -> Any:
+    """Engine actor `index` (`suffix` names a replacement of a dead one apart; `local`: a
+    `LocalActor`, embedded)."""
+    cls = plugins.get("engine", cfg.engine.name)
+    if local:
+        threads = num_threads(cfg, cfg.ray.num_cpus or os.cpu_count() or 1)[1]
+        return actors.LocalActor(cls, cfg.model.path, name=f"engine-{index}{suffix}",
+                                 **{"num_threads": threads, **engine_kwargs(cfg, index)})
     nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
     threads = num_threads(cfg, int(min(n.get("CPU", 1) for n in nodes)))[1]
-    return ray.remote(plugins.get("engine", cfg.engine.name)).options(
+    return ray.remote(cls).options(
         **actor_options(cfg, any(n.get("GPU") for n in nodes))[1],
         name=f"molt-engine-{index}-{os.getpid()}{suffix}").remote(
         cfg.model.path, **{"num_threads": threads, **engine_kwargs(cfg, index)})
@@ -171,6 +193,8 @@ def rank_placement(n: int, options: dict, timeout_s: float) -> tuple[list[dict],
     One node, or ranks reserving nothing: plain actors on the driver's node. Several nodes: a
     PACK placement group of one bundle per rank, so rank 0's node is known before ranks start.
     """
+    if not ray.is_initialized():            # embedded: the one rank is in the driver
+        return [options] * n, *_address(True), None
     need = reserved(options)
     if not need or sum(node["Alive"] for node in ray.nodes()) == 1:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -238,34 +262,39 @@ def _short(node: dict[str, float]) -> dict[str, float]:
 @contextmanager
 def start(cfg: Config, plugins: Any, trainer: bool = True) -> Iterator[tuple[Any, list[Any]]]:
     """Yield `(policy, engines)` (policy None without `trainer`); everything started here is
-    stopped on exit."""
-    started = init_ray(cfg)
+    stopped on exit. Embedded (`embedded`): no Ray, the same handles in the driver's process."""
+    import torch
+    local = embedded(cfg, trainer, torch.cuda.is_available())
+    started = not local and init_ray(cfg)
     engines, policy = [], None
     try:
-        nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+        nodes = ([n["Resources"] for n in ray.nodes() if n["Alive"]] if not local else
+                 [{"CPU": float(cfg.ray.num_cpus or os.cpu_count() or 1)}])
         rank_opts, engine_opts = actor_options(cfg, any(n.get("GPU") for n in nodes))
         check_resources(cfg, rank_opts, engine_opts, nodes)
         backend = plugins.get("trainer_backend", cfg.trainer.backend)
         rank_threads, engine_threads = num_threads(cfg, int(min(n.get("CPU", 1) for n in nodes)))
-        engines = [spawn_engine(cfg, plugins, i) for i in range(cfg.engine.num_engines)]
+        engines = [spawn_engine(cfg, plugins, i, local=local)
+                   for i in range(cfg.engine.num_engines)]
         policy = backend(cfg.model.path, cfg.trainer, dtype=cfg.model.dtype, seed=cfg.seed,
                          num_threads=rank_threads, actor_options=rank_opts) if trainer else None
-        ray.get([e.get_version.remote() for e in engines], timeout=cfg.engine.timeout_s)
+        actors.get([e.get_version.remote() for e in engines], timeout=cfg.engine.timeout_s)
         # Long-lived driver objects (torch, transformers, Ray) leave the collector's view: a full
         # collection over them stalled the rollout loop for up to ~0.7 s.
         gc.freeze()
-        log.info("cluster_ready", engines=len(engines), trainer_ranks=cfg.trainer.num_ranks,
+        log.info("cluster_ready", mode="embedded" if local else "ray", engines=len(engines),
+                 trainer_ranks=cfg.trainer.num_ranks,
                  threads={"rank": rank_threads, "engine": engine_threads},
                  rank_resources=reserved(rank_opts), engine_resources=reserved(engine_opts),
                  rank_nodes="driver" if getattr(policy, "in_driver", False)
                  else _placement(getattr(policy, "workers", [])),
-                 engine_nodes=_placement(engines))
+                 engine_nodes="driver" if local else _placement(engines))
         yield policy, engines
     finally:
         gc.unfreeze()                    # what this run leaves may be collected
         if policy is not None:
             policy.shutdown()
         for e in engines:
-            ray.kill(e)
+            actors.kill(e)
         if started:
             _shutdown()
