@@ -1,9 +1,10 @@
 """A step's training rows and their advantages: the seam between estimators and the trainer.
 
-Per-rollout advantages (`hookspecs.molt_estimators`) are broadcast to the rollout's tokens; a
-per-token estimator gets the critic's values [B, T] from before the update, and its `returns`
-train the critic. Token rewards: a row's rollout reward sits at its last trainable token (every
-segment of a multi-segment rollout ends with it, as every estimator broadcasts it to each segment).
+Per-rollout advantages (`hookspecs.molt_estimators`) are broadcast to the rollout's tokens, a
+`per_turn` estimator's [R, K] to each model call's tokens; a per-token estimator gets the critic's
+values [B, T] from before the update, and its `returns` train the critic. Token rewards: a row's
+rollout reward sits at its last trainable token (every segment of a multi-segment rollout ends with
+it, as every estimator broadcasts it to each segment).
 `algorithm.terms.kl_in: reward` subtracts kl_coef * kl_t (behavior vs reference log-probs) from
 the token rewards; a per-rollout estimator sees the rollout's reward minus its summed penalty.
 """
@@ -14,12 +15,11 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import torch
-
 from molt_core.algos import kl_estimate, masked_mean
 from molt_core.config import AlgorithmConfig
+from molt_core.lazy import torch
 from molt_core.plugins import PluginError
-from molt_core.trajectory import Trajectory, collate
+from molt_core.trajectory import InvariantError, Trajectory, collate
 
 __all__ = ["Rollouts", "needs_values", "opt_in", "training_batch"]
 
@@ -38,6 +38,21 @@ class Rollouts:
         return cls(torch.tensor([t.num_trainable for t in trajs]), torch.tensor(list(map(len, trajs))),
                    torch.tensor([t.truncated for t in trajs]), [t.info for t in trajs], trajs)
 
+    def turn_rewards(self, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each rollout's reward per model call [R, K] (0 past its n[R] turns, `Trajectory.turns`):
+        its `turn_rewards`, else all on its last turn, which also takes whatever `rewards` (e.g.
+        less a KL penalty, `kl_in: reward`) differs from their sum by. Returns (rewards, n)."""
+        n = torch.tensor([len(t.turns()) for t in self.trajectories])
+        out = torch.zeros(len(n), max(int(n.max()), 1))
+        for i, (t, k) in enumerate(zip(self.trajectories, n.tolist())):
+            if t.turn_rewards is not None and len(t.turn_rewards) != k:
+                raise InvariantError(f"trajectory {t.group_id}/{t.rollout_id} has {k} model calls "
+                                     f"but {len(t.turn_rewards)} turn_rewards; a per-turn "
+                                     "estimator needs one reward per model call")
+            out[i, :k] = torch.tensor(t.turn_rewards or [0.0] * k)
+            out[i, max(k, 1) - 1] += rewards[i] - out[i].sum()
+        return out, n
+
 
 def opt_in(fn: Callable, **inputs: Any) -> dict[str, Any]:
     """The richer inputs `fn` asks for by naming them as parameters (the others stay unsent)."""
@@ -47,6 +62,22 @@ def opt_in(fn: Callable, **inputs: Any) -> dict[str, Any]:
 
 def needs_values(estimator: Callable) -> bool:
     return bool(getattr(estimator, "needs_values", False))
+
+
+def _per_turn(batch: dict[str, torch.Tensor], adv: torch.Tensor,
+              rows: list[tuple[Trajectory, int]], fn: Callable, name: str) -> torch.Tensor:
+    """A `per_turn` estimator's [R, K] onto each model call's tokens (`Trajectory.turns`, counted
+    over a rollout's segment rows in order); returns the advantages of the rollouts' turns."""
+    turn, n = torch.full(batch["loss_mask"].shape, -1), [0] * (max(i for _, i in rows) + 1)
+    for b, (seg, i) in enumerate(rows):
+        for start, end in seg.turns():
+            turn[b, start:end], n[i] = n[i], n[i] + 1
+    has = torch.arange(max(max(n), 1)) < torch.tensor(n)[:, None]              # [R, K]
+    _check_shapes(fn, name, [adv], has.shape, "advantages [R, K] (one per model call: per_turn)",
+                  mask=has)
+    batch["advantages"] = torch.where(turn >= 0, adv[batch["rollout_index"], turn.clamp(min=0)],
+                                      0.0)
+    return adv[has]
 
 
 def training_batch(trajs: list[Trajectory], estimator: Callable, alg: AlgorithmConfig,
@@ -79,6 +110,8 @@ def training_batch(trajs: list[Trajectory], estimator: Callable, alg: AlgorithmC
         penalty = torch.zeros(len(trajs)).index_add_(0, traj_of, kl.sum(-1))
         adv = estimator(rewards - terms.kl_coef * penalty, group_index, **alg.estimator_args,
                         **extra)
+        if getattr(estimator, "per_turn", False):
+            return batch, _per_turn(batch, adv, rows, estimator, alg.estimator), metrics
         _check_shapes(estimator, alg.estimator, [adv], rewards.shape,
                       "advantages [R] (one per rollout)")
         batch["advantages"] = adv[traj_of][:, None] * batch["attention_mask"]

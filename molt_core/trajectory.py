@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
+
+from molt_core.lazy import torch
 
 __all__ = ["Completion", "ImageInput", "InvariantError", "Trajectory", "collate"]
 
@@ -120,6 +121,17 @@ class Trajectory:
     @property
     def num_trainable(self) -> int:
         return sum(self.loss_mask)
+
+    def turns(self) -> list[tuple[int, int]]:
+        """[start, end) of each model call's sampled tokens: runs of tokens with a version (tokens
+        `filter_stale` masks keep theirs), cut at segment starts."""
+        s = np.asarray(self.versions, dtype=np.int64) >= 0
+        cut = np.zeros(len(s) + 1, dtype=bool)
+        cut[[b for b in self.segments if b <= len(s)]] = True
+        nxt, prev = np.r_[s[1:], False], np.r_[False, s[:-1]]
+        starts = np.flatnonzero(s & (~prev | cut[:-1]))
+        ends = np.flatnonzero(s & (~nxt | cut[1:])) + 1
+        return list(zip(starts.tolist(), ends.tolist()))
 
     def split_segments(self) -> list[Trajectory]:
         """One trajectory per segment, each its own training sequence (never attending to another),

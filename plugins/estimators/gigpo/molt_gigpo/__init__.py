@@ -1,0 +1,63 @@
+"""GiGPO (Feng et al., 2025, "Group-in-Group Policy Optimization for LLM Agent Training"): GRPO's
+episode advantage plus omega times a step advantage, normalised within step groups: the turns,
+across a group's rollouts, that start from the same observation (token ids since the last call)."""
+
+from __future__ import annotations
+
+import torch
+
+from molt_core import hookimpl
+from molt_core.advantage import Rollouts
+from molt_core.algos import group_stats
+
+__all__ = ["gigpo", "gigpo_advantages", "step_keys"]
+
+
+def _relative(x: torch.Tensor, groups: torch.Tensor, norm_std: bool, eps: float) -> torch.Tensor:
+    mean, std, _ = group_stats(x, groups)
+    return (x - mean) / (std + eps) if norm_std else x - mean
+
+
+def gigpo(rewards: torch.Tensor, turn_rewards: torch.Tensor, keys: torch.Tensor,
+          group_index: torch.Tensor, *, omega: float = 1.0, gamma: float = 0.95,
+          norm_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """A_ik = A^E_i + omega * A^S_ik: A^E over the group's rewards, A^S over the discounted returns
+    R_ik = sum_{k' >= k} gamma^(k' - k) r_ik' of step group keys[i, k] (-1: no turn k, A = 0).
+    Groups of one get 0. [R], [R, K], [R, K], [R] -> [R, K]"""
+    ret, acc = torch.zeros_like(turn_rewards), torch.zeros_like(rewards)
+    for k in reversed(range(turn_rewards.shape[1])):
+        ret[:, k] = acc = turn_rewards[:, k] + gamma * acc
+    has = keys >= 0
+    adv = torch.zeros_like(ret)
+    adv[has] = (_relative(rewards, group_index, norm_std, eps)[:, None].expand_as(ret)[has]
+                + omega * _relative(ret[has], keys[has], norm_std, eps))
+    return adv
+
+
+def step_keys(rollouts: Rollouts, group_index: torch.Tensor) -> torch.Tensor:
+    """[R, K] one id per (group, observation): the token ids from the end of the previous model
+    call (the start, for the first) to the start of this one; -1 past a rollout's turns."""
+    turns = [t.turns() for t in rollouts.trajectories]
+    keys, ids = torch.full((len(turns), max(max(map(len, turns)), 1)), -1), {}
+    for i, (t, spans) in enumerate(zip(rollouts.trajectories, turns)):
+        for k, (start, end) in enumerate(spans):
+            obs = (int(group_index[i]), tuple(t.token_ids[spans[k - 1][1] if k else 0:start]))
+            keys[i, k] = ids.setdefault(obs, len(ids))
+    return keys
+
+
+def gigpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, *, rollouts: Rollouts,
+                     omega: float = 1.0, gamma: float = 0.95, norm_std: bool = True,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """`gigpo` on the rollouts' per-call rewards (`Rollouts.turn_rewards`). [R] -> [R, K]"""
+    turn_rewards, _ = rollouts.turn_rewards(rewards)
+    return gigpo(rewards, turn_rewards, step_keys(rollouts, group_index), group_index,
+                 omega=omega, gamma=gamma, norm_std=norm_std, eps=eps)
+
+
+gigpo_advantages.per_turn = True
+
+
+@hookimpl
+def molt_estimators() -> dict:
+    return {"gigpo": gigpo_advantages}
