@@ -10,6 +10,7 @@ those taken, so the engines never drain between training steps (the async and pa
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import math
 import threading
@@ -32,6 +33,7 @@ log = structlog.get_logger("molt.generator")
 
 # |reward| above this is a bug upstream, not a signal: it would swamp the batch's statistics
 MAX_ABS_REWARD = 1e6
+_CHAINED = contextvars.ContextVar("molt_chained", default=False)   # in a deterministic batch
 
 
 class NonFiniteReward(ValueError):
@@ -70,8 +72,11 @@ class Generator:
         self._failed_in_a_row = 0
         self._changed: asyncio.Event | None = None
         self._revive: Callable[[dict[int, str]], None] | None = None   # see on_engine_death
-        self._batch, self._avail, self._lag = 0, 0, 0   # deterministic pool (start_chain)
+        self._batch, self._avail, self._lag = 0, 0, 0   # deterministic pool (advance)
         self._running: asyncio.Task | None = None        # its batch being generated
+        self._split, self._live, self._parked = False, 0, 0   # partial: rollouts running, parked
+        self._resumed = asyncio.Event()                  # cleared: calls stop at their split
+        self._resumed.set()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
                                         name="molt-generator")
@@ -89,6 +94,7 @@ class Generator:
     def state_dict(self) -> dict[str, Any]:
         """Task cursor, counters and the pool: finished groups and the ids of running ones."""
         async def snap() -> dict[str, Any]:
+            self._resumed.set()              # a save follows a push: a parked batch goes on
             while self._running is not None:      # deterministic pool: whole batches
                 await asyncio.wait([self._running])
             return {"next_group": self._next_group, "counters": dict(self.counters),
@@ -153,28 +159,38 @@ class Generator:
         """Keep up to `max_groups` groups running or finished-and-waiting from now on."""
         self.submit(self._start_pool(max_groups)).result()
 
-    def advance(self, version: int, groups: int, lag: int) -> None:
+    def advance(self, version: int, groups: int, lag: int, split: bool = False) -> None:
         """The deterministic pool (`take` as from the streaming pool): batch j, `groups` groups
         generated as `generate` does, one batch at a time, starts once `version` >= j - lag is
-        on the engines, so timing never decides which weights sample it."""
+        on the engines, so timing never decides which weights sample it. `split` (partial): each
+        engine call of batch j stops after half its max_new_tokens until version j - lag + 1
+        is, then goes on under it (j < lag: at once, under version 0)."""
         async def go() -> None:
             self._pool_cap, self._lag, self._chain_n = groups * (lag + 1), lag, groups
+            self._split = split
             self._changed = self._changed or asyncio.Event()
             self._advance(version)
         self.submit(go()).result()
 
     def drain(self) -> None:
-        """Blocking: the deterministic pool's batches finished (none starts until `advance`)."""
+        """Blocking: the deterministic pool's batches finished or, split, each running rollout
+        parked at its split (none goes on or starts until `advance`)."""
         async def wait() -> None:
-            while self._running is not None:
-                await asyncio.wait([self._running])
+            while self._running is not None and not 0 < self._live == self._parked:
+                await asyncio.wait([self._running], timeout=0.002)
         self._wait(self.submit(wait()))
 
     def _advance(self, version: int) -> None:
         self._avail = version
         if self._running is None and version >= self._batch - self._lag:
-            self._running = asyncio.ensure_future(self.collect(self._chain_n))
+            ctx = contextvars.copy_context()
+            ctx.run(_CHAINED.set, True)        # its engine calls (only theirs) may be split
+            self._running = self.loop.create_task(self.collect(self._chain_n), context=ctx)
             self._running.add_done_callback(self._batch_done)
+        if self._split and version <= self._batch - self._lag:  # the running batch's next version
+            self._resumed.clear()                                # is not on the engines yet
+        else:
+            self._resumed.set()
 
     def _batch_done(self, task: asyncio.Task) -> None:
         self._running = None
@@ -294,6 +310,7 @@ class Generator:
                              self._seeded(task, rollout_id) if self.seeded else self._generate,
                              self.tokenizer)
         self.counters["rollout/attempted"] += 1
+        self._live += 1
         try:
             traj = await self.agent.rollout(ctx)
             rewards = [float(r) for r in (traj.reward, *(traj.turn_rewards or []))]
@@ -309,6 +326,8 @@ class Generator:
                 type(e), "agent_error")
             self._failed(reason, group_id, rollout_id, f"{type(e).__name__}: {e}")
             return None
+        finally:
+            self._live -= 1
         traj.group_id, traj.rollout_id = group_id, rollout_id
         traj.check(self._vocab)
         return traj
@@ -335,7 +354,24 @@ class Generator:
 
     async def _generate(self, prompt_ids: list[int], sampling: dict | None = None,
                         images: list[ImageInput] | None = None) -> Completion:
-        return await self.client.generate(prompt_ids, sampling or self.sampling, images)
+        s = sampling or self.sampling
+        if self._resumed.is_set() or not _CHAINED.get() or s["max_new_tokens"] < 2:  # `advance`
+            return await self.client.generate(prompt_ids, s, images)
+        k = s["max_new_tokens"] // 2
+        a = await self.client.generate(prompt_ids, {**s, "max_new_tokens": k}, images)
+        if a.finish_reason != "length" or len(a.token_ids) < k:
+            return a
+        self._parked += 1
+        try:
+            await self._resumed.wait()
+        finally:
+            self._parked -= 1
+        b = await self.client.generate(prompt_ids + a.token_ids,
+                                       {**s, "max_new_tokens": s["max_new_tokens"] - k}, images)
+        n, pr = len(prompt_ids), b.prompt_routed_experts    # routing: the continuation's prefill
+        return Completion(a.token_ids + b.token_ids, a.logprobs + b.logprobs,
+                          a.versions + b.versions, b.finish_reason,
+                          pr and pr[n:] + b.routed_experts, pr and pr[:n])
 
     def _seeded(self, task: int, rollout_id: int) -> Callable[..., Awaitable[Completion]]:
         calls = itertools.count()

@@ -11,17 +11,20 @@ With `rollout.deterministic`, batch i is sampled by exactly version max(0, i - m
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from molt_core import hookimpl
 from molt_core.config import Config, ConfigError
-from molt_core.rollout.generator import filter_stale
-from molt_core.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from molt_core.trajectory import Trajectory
 
 __all__ = ["AsyncScheme", "configure"]
 
 
 class AsyncScheme:
+    split = False                              # deterministic: calls stop at a split (partial)
+
     def __init__(self, cfg: Any, generator: Any, policy: Any, engines: list[Any]) -> None:
         self.cfg, self.generator, self.policy, self.engines = cfg, generator, policy, engines
         self.version = 0                       # the weights the trainer trains next
@@ -36,9 +39,10 @@ class AsyncScheme:
     def refill(self, n: int) -> list[list[Trajectory]]:
         """n finished groups within the staleness bound (also a batch filter's `refill`); n may
         exceed the pool: it is taken in pool-sized parts as the pool refills."""
+        from molt_core.rollout.generator import filter_stale
         r = self.cfg.rollout
         if r.deterministic:          # batches start here (after a push), so none is running
-            self.generator.advance(self.version, r.groups_per_step, r.max_staleness)   # at a save
+            self.generator.advance(self.version, r.groups_per_step, r.max_staleness, self.split)
         elif not self.started:       # here, not in __init__: after a resume's restore
             self.started = True
             self.generator.start_pool(self.pool_size)
@@ -78,9 +82,6 @@ def configure(cfg: Config, scheme: str) -> None:
             f"rollout.max_staleness versions) than the ones being "
             "trained; without an importance-sampling correction the update is biased. Set "
             "algorithm.correction to tis, icepop or mis (thresholds in algorithm.correction_args)")
-    if r.deterministic and scheme != "async":
-        raise ConfigError(f"rollout.deterministic with rollout.scheme={scheme}: only the async "
-                          "scheme has a deterministic mode so far; use rollout.scheme=async")
     depth = -(-(r.max_inflight_groups or r.groups_per_step) // r.groups_per_step)
     if r.max_staleness is None:
         r.max_staleness = depth
