@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-import torch
+from molt_core.lazy import torch
 
 __all__ = ["CORRECTIONS", "aggregate", "clipped_surrogate", "entropy_from_logits", "group_stats",
            "is_correction", "kl_estimate", "loss_terms", "masked_mean", "masked_whiten",

@@ -46,12 +46,10 @@ class VLLMUnavailable:
 
 
 @hookimpl
-def molt_engines() -> dict[str, type]:
-    from molt_core.engines.hf import HFEngine
-    if _have_vllm():
-        from molt_core.engines.vllm import VLLMEngine   # imports vllm lazily, in the engine
-        return {"hf": HFEngine, "vllm": VLLMEngine}
-    return {"hf": HFEngine, "vllm": VLLMUnavailable}
+def molt_engines() -> dict[str, type | str]:
+    # "module:Class" entries are imported on first use: listing or validating imports no torch
+    return {"hf": "molt_core.engines.hf:HFEngine",
+            "vllm": "molt_core.engines.vllm:VLLMEngine" if _have_vllm() else VLLMUnavailable}
 
 
 @hookimpl
@@ -78,7 +76,6 @@ def molt_configure(cfg) -> None:  # noqa: ANN001 - Config, imported lazily
 
 
 @hookimpl
-def molt_trainer_backends() -> dict[str, type]:
-    from molt_core.policy.automodel import AutoModelPolicy
-    from molt_core.policy.handle import Policy
-    return {"fsdp2": Policy, "automodel": AutoModelPolicy}
+def molt_trainer_backends() -> dict[str, str]:
+    return {"fsdp2": "molt_core.policy.handle:Policy",
+            "automodel": "molt_core.policy.automodel:AutoModelPolicy"}

@@ -16,9 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
+from molt_core.lazy import torch
 from molt_core.trajectory import ImageInput
 
 __all__ = ["ImageEncoder", "MessageEncoder", "content_text", "decode_data_uri", "decoder_layers",
@@ -34,6 +32,7 @@ def is_vl(config: Any) -> bool:
 
 def load_model(path: str | Path, dtype: torch.dtype) -> torch.nn.Module:
     """The checkpoint's causal LM, or its image-text-to-text model for VL checkpoints."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     auto = AutoModelForImageTextToText if is_vl(AutoConfig.from_pretrained(path)) \
         else AutoModelForCausalLM
     return auto.from_pretrained(path, dtype=dtype)
@@ -104,7 +103,7 @@ class ImageEncoder:
     returned ids). Uses the checkpoint's image processor (preprocessor_config.json)."""
 
     def __init__(self, model_path: str | Path, tokenizer: Any) -> None:
-        from transformers import AutoImageProcessor
+        from transformers import AutoConfig, AutoImageProcessor
 
         config = AutoConfig.from_pretrained(model_path)
         if not is_vl(config):

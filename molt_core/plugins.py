@@ -17,7 +17,7 @@ import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any, Callable
 
 import pluggy
@@ -76,6 +76,9 @@ class Plugins:
                 f"Install the plugin that provides it (e.g. pip install molt-"
                 f"{kind.replace('_', '-')}-{name}) or fix the name in the recipe")
             raise PluginError(f"unknown {kind} '{name}'; valid: {valid}{hint}. {fix}")
+        if isinstance(entries[name], str):    # "module:attr", imported on first use
+            module, attr = entries[name].split(":")
+            entries[name] = getattr(importlib.import_module(module), attr)
         return entries[name]
 
     def selection_overrides(self) -> list[str]:
@@ -97,8 +100,11 @@ class Plugins:
         what = f"{kind} '{name}' (plugin {self.owner[(kind, name)]})"
         params = [p for p in inspect.signature(fn).parameters.values()
                   if p.name not in SUPPLIED.get(kind, ())]
-        try:
-            hints = typing.get_type_hints(fn.__init__ if inspect.isclass(fn) else fn)
+        target = inspect.unwrap(fn.__init__ if inspect.isclass(fn) else fn)
+        ann = {k: a for k, a in getattr(target, "__annotations__", {}).items() if k in kwargs}
+        try:    # only the keys given: resolving the others (tensors) would import torch
+            hints = typing.get_type_hints(SimpleNamespace(__annotations__=ann),
+                                          getattr(target, "__globals__", {}))
         except Exception:   # annotations that do not resolve here (TYPE_CHECKING imports): no check
             hints = {}
         for key, value in kwargs.items():

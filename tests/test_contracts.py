@@ -71,7 +71,7 @@ def plugins():
 
 
 def _shipped(plugins, kind: str) -> list[tuple[str, Any]]:
-    entries = sorted(plugins.registry[kind].items())
+    entries = [(name, plugins.get(kind, name)) for name in sorted(plugins.registry[kind])]
     assert entries, f"no {kind} registered"
     return [(name, e) for name, e in entries if e.__name__ != "VLLMUnavailable"]
 

@@ -9,10 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoConfig
-
 from molt_core import hookimpl
-from molt_core.chat.server import shared_server, shutdown_shared
 from molt_core.config import Config, ConfigError
 from molt_core.contracts import RolloutContext
 from molt_core.multimodal import require_chat_template
@@ -60,10 +57,12 @@ class ChatRunner:
         self.tok = tokenizer
         self.max_segments = max_segments
         self.max_body_bytes = int(max_request_mb * 2**20)
+        from transformers import AutoConfig
         self.max_context = AutoConfig.from_pretrained(
             cfg.model.path).get_text_config().max_position_embeddings
 
     async def rollout(self, ctx: RolloutContext) -> Trajectory:
+        from molt_core.chat.server import shared_server     # FastAPI: imported when used
         agent = self.agent_cls(**self.agent_args)
         server = await shared_server()
         session = server.open_session(self.tok, ctx.generate, ctx.sampling,
@@ -92,6 +91,7 @@ class ChatRunner:
 
     async def aclose(self) -> None:
         """The generator's close: the shared server of its loop stops (if one was started)."""
+        from molt_core.chat.server import shutdown_shared
         await shutdown_shared()
 
 

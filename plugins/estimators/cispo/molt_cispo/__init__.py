@@ -10,9 +10,8 @@ Pair with group-normalised advantages (`grpo`).
 
 from __future__ import annotations
 
-import torch
-
 from molt_core import hookimpl
+from molt_core.lazy import torch
 
 __all__ = ["cispo_loss"]
 

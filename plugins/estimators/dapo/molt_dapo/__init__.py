@@ -17,11 +17,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import torch
-
 from molt_core import hookimpl
 from molt_core.algos import clipped_surrogate, group_stats
 from molt_core.config import Config, ConfigError
+from molt_core.lazy import torch
 from molt_core.trajectory import Trajectory
 
 __all__ = ["DapoConfig", "DynamicSampler", "dapo_advantages", "dapo_loss", "overlong_penalty",

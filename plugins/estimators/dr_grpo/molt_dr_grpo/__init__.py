@@ -8,11 +8,10 @@ the length bias back and is rejected.
 
 from __future__ import annotations
 
-import torch
-
 from molt_core import hookimpl
 from molt_core.algos import group_stats
 from molt_core.config import Config, ConfigError
+from molt_core.lazy import torch
 
 __all__ = ["dr_grpo_advantages"]
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import torch
-
 from molt_core import hookimpl
 from molt_core.algos import clipped_surrogate, group_stats
+from molt_core.lazy import torch
 
 __all__ = ["grpo_advantages", "ppo_clip_loss"]
 

@@ -12,10 +12,9 @@ mean (paper: 3e-4 / 4e-4). Pair with group-normalised advantages (`grpo`).
 
 from __future__ import annotations
 
-import torch
-
 from molt_core import hookimpl
 from molt_core.algos import clipped_surrogate, rollout_sum
+from molt_core.lazy import torch
 
 __all__ = ["gspo_loss"]
 

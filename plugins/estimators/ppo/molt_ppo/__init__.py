@@ -11,10 +11,9 @@ the trainer adds the critic's clipped value loss (`molt_core.algos.value_loss`).
 
 from __future__ import annotations
 
-import torch
-
 from molt_core import hookimpl
 from molt_core.algos import masked_whiten
+from molt_core.lazy import torch
 
 __all__ = ["gae", "ppo_advantages"]
 

@@ -9,10 +9,9 @@ the batch. Pair it with the `ppo_clip` loss (as the paper does).
 
 from __future__ import annotations
 
-import torch
-
 from molt_core import hookimpl
 from molt_core.algos import group_stats, masked_whiten
+from molt_core.lazy import torch
 
 __all__ = ["reinforce_pp_advantages"]
 

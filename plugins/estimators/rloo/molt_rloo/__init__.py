@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import torch
-
 from molt_core import hookimpl
 from molt_core.algos import group_stats
+from molt_core.lazy import torch
 
 __all__ = ["rloo_advantages"]
 
