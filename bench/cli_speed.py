@@ -4,14 +4,18 @@ process, median of 3 after a warm-up (target: under 1.5 s each on the 2-core CPU
     python bench/cli_speed.py [MODEL_DIR]     # MODEL_DIR: the recipe's model (default .cache/tiny-chars)
 
 Measured 2026-12-02 (2 cores, other sessions' tests running beside it), before -> after issue 28:
---version 11.6 -> 0.29 s (entry-point metadata, no plugin import); -h 0.12 -> 0.09 s; plugins
-11.6 -> 11.3 s, validate 12.4 -> 12-18 s, config 12.9 -> 12.3 s: still over the 1.5 s target, as
-loading the plugins imports torch (2-3.7 s: estimators and molt_core.algos at module top),
-transformers (~2-5 s: molt_core.multimodal, molt_chat) and ray (0.6-1.1 s: molt_rollout_partial).
+--version 11.6 -> 0.29 s (entry-point metadata, no plugin import); -h 0.12 -> 0.09 s.
+Loading the plugins without torch/transformers/FastAPI (molt_core.lazy, "module:Class" engines
+and trainer backends), 12.4 / 11.7 / 19.1 s -> plugins 0.89 s, validate 9.1 s, config 8.5 s
+(plugins 4.1 s while the new gigpo/turn_rloo estimators import torch at their top). validate and
+config still import torch, transformers and ray (~8 s) through the engine and trainer backend
+they check: molt_core.engines.hf (torch, transformers, weight_sync -> ray) and
+molt_core.policy.handle; without those two imports validate takes 0.75 s.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -37,6 +41,7 @@ def wall(argv: list[str], runs: int = 3) -> float:
 def main() -> None:
     model = Path(sys.argv[1] if len(sys.argv) > 1 else ".cache/tiny-chars")
     if not (model / "config.json").is_file():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         from molt_tools.tiny import CHARSET, build_tiny_model
         build_tiny_model(model, "qwen3", charset=CHARSET)
     recipe = [RECIPE, f"model.path={model}"]

@@ -120,6 +120,9 @@ def _log_level(shift: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # the CLI's own progress lines only: no tqdm bars from transformers / huggingface_hub (read
+    # when they are imported, which a command's parser may do)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     args = parse(sys.argv[1:] if argv is None else list(argv))
     if args is None:
         return 0
@@ -127,8 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     from molt_core.run.metrics import RunDirError, configure_logging
     from molt_core.plugins import PluginError
     configure_logging(args.log_level)
-    # the CLI's own progress lines only: no tqdm bars from transformers / huggingface_hub
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         return _resolve(COMMANDS[args.command][2])(args)
     except (ConfigError, PluginError, RunDirError) as e:   # may come late (once Ray is up)
