@@ -1,10 +1,12 @@
 """`molt view RUN_DIR`: browse the saved trajectories of a run.
 
-Writes one self-contained HTML file (no server, no network: open it in any browser) or, with
-`--terminal`, prints them with rich. Per step and rollout, each token is coloured by its role
-(prompt / trainable / tool or env feedback), by the weight version that sampled it, or by the
-engine-vs-trainer log-prob gap; turns and segments are marked, with their rewards; rollouts can
-be filtered by reward.
+Writes `RUN_DIR/view/`: an index page of per-step summaries and one script per step that the
+page loads when the step is opened, so a run of any length opens at once (no server, no
+network: open `index.html` in any browser, or copy the folder); `--single` writes one
+self-contained HTML file instead, and `--terminal` prints with rich. Per step and rollout, each
+token is coloured by its role (prompt / trainable / tool or env feedback), by the weight version
+that sampled it, or by the engine-vs-trainer log-prob gap; turns and segments are marked, with
+their rewards; steps and rollouts are filtered by reward, turn count, version, lag and gap.
 """
 
 from __future__ import annotations
@@ -12,25 +14,91 @@ from __future__ import annotations
 import argparse
 import html
 import json
-from collections import Counter
+from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import yaml
 
-__all__ = ["add_args", "load_rows", "main", "read_trajectories", "render_terminal", "token_roles",
-           "write_html"]
+__all__ = ["add_args", "decoder", "iter_steps", "load_rows", "main", "read_trajectories",
+           "render_terminal", "step_record", "token_roles", "write_paged", "write_single"]
+
+Decode = Callable[[list[int]], dict[int, str]]
+
+
+def _files(path: str | Path) -> list[Path]:
+    path = Path(path)
+    if path.is_dir() and (path / "trajectories").is_dir():
+        path = path / "trajectories"
+    return sorted(path.glob("*.parquet")) if path.is_dir() else [path]
 
 
 def read_trajectories(path: str | Path, steps: list[int] | None = None) -> list[dict[str, Any]]:
     """Rows (plain dicts) of a run directory, its `trajectories/` folder or one Parquet file."""
     import pyarrow.parquet as pq
-    path = Path(path)
-    if path.is_dir() and (path / "trajectories").is_dir():
-        path = path / "trajectories"
-    files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
-    rows = [r for f in files for r in pq.read_table(f).to_pylist()]
+    rows = [r for f in _files(path) for r in pq.read_table(f).to_pylist()]
     return [r for r in rows if steps is None or r["step"] in steps]
+
+
+def iter_steps(path: str | Path, keep: Callable[[dict], bool] | None = None,
+               steps: list[int] | None = None, digits: int | None = None
+               ) -> Iterator[tuple[int, list[dict[str, Any]]]]:
+    """(step, its kept rows) in step order, one Parquet file in memory at a time (the store
+    writes whole steps to a file); `digits`: log-probs rounded, and each row's `gap` added."""
+    import pyarrow.parquet as pq
+    for f in _files(path):
+        table = pq.read_table(f, filters=[("step", "in", steps)] if steps else None)
+        by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        for r in (_rounded(table, digits) if digits is not None else table).to_pylist():
+            if keep is None or keep(r):
+                by_step[r["step"]].append(r)
+        yield from sorted(by_step.items())
+
+
+def _rounded(table: Any, digits: int) -> Any:
+    """Log-probs rounded (short JSON) and `gap`: max |trainer - behavior| log-prob over a row's
+    trainable tokens (None without trainer log-probs), in numpy: a Python loop over every
+    token costs a 1,000-step run most of a minute."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    cols = {c: table[c].combine_chunks() for c in ("behavior_logprobs", "trainer_logprobs",
+                                                  "loss_mask")}
+    for c in ("behavior_logprobs", "trainer_logprobs"):
+        x = cols[c]
+        table = table.set_column(table.schema.get_field_index(c), c, pa.ListArray.from_arrays(
+            pc.subtract(x.offsets, x.offsets[0]), pc.round(pc.cast(x.flatten(), pa.float64()),
+                                                           digits)))
+    has = pc.list_value_length(cols["trainer_logprobs"]).to_numpy(zero_copy_only=False) > 0
+    gap = np.full(len(table), np.nan)
+    if has.any():
+        lp, tlp, m = (pc.filter(cols[c], pa.array(has)) for c in cols)
+        d = np.abs(tlp.flatten().to_numpy() - lp.flatten().to_numpy())
+        m = m.flatten().to_numpy(zero_copy_only=False)
+        starts = (tlp.offsets.to_numpy() - tlp.offsets[0].as_py())[:-1]
+        gap[has] = np.where(np.logical_or.reduceat(m, starts),
+                            np.maximum.reduceat(d * m, starts), np.nan)
+    return table.append_column("gap", pa.array(np.round(gap, digits), from_pandas=True))
+
+
+def decoder(tokenizer_path: str | Path) -> Decode:
+    """`decode(ids)`: {id: its text}, each id decoded once, on its own (what a token shows);
+    with `tokenizers` alone where the directory has a tokenizer.json (no transformers import)."""
+    if (Path(tokenizer_path) / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(Path(tokenizer_path) / "tokenizer.json"))
+        batch = lambda ids: tok.decode_batch(ids, skip_special_tokens=False)    # noqa: E731
+    else:
+        from transformers import AutoTokenizer
+        batch = AutoTokenizer.from_pretrained(tokenizer_path).batch_decode
+    cache: dict[int, str] = {}
+
+    def decode(ids: list[int]) -> dict[int, str]:
+        new = sorted(set(ids) - cache.keys())
+        cache.update(zip(new, batch([[i] for i in new])))
+        return {i: cache[i] for i in set(ids)}
+    return decode
 
 
 def token_roles(row: dict[str, Any]) -> list[str]:
@@ -83,36 +151,91 @@ def tokenizer_dir(run_dir: str | Path) -> Path:
 
 def load_rows(run_dir: str | Path, tokenizer_path: str | None = None) -> list[dict[str, Any]]:
     """Saved rows with per-token text (`tokens`), roles and turn spans added."""
-    from transformers import AutoTokenizer
-
-    run_dir = Path(run_dir)
+    decode = decoder(tokenizer_path or tokenizer_dir(run_dir))
     rows = read_trajectories(run_dir)
-    tok = AutoTokenizer.from_pretrained(tokenizer_path or tokenizer_dir(run_dir))
     for r in rows:
-        r["tokens"] = tok.batch_decode([[i] for i in r["token_ids"]])
+        text = decode(r["token_ids"])
+        r["tokens"] = [text[i] for i in r["token_ids"]]
         r["roles"] = token_roles(r)
         r["turns"] = _turns(r)
     return rows
 
 
-def _compact(r: dict[str, Any]) -> dict[str, Any]:
-    r4 = lambda xs: [round(x, 4) for x in xs]     # noqa: E731
-    return {"step": r["step"], "group": r["group_id"], "rollout": r["rollout_id"],
-            "task": r["task"], "reward": r["reward"], "turn_rewards": r["turn_rewards"],
-            "truncated": r["truncated"], "tokens": r["tokens"], "ids": r["token_ids"],
-            "roles": r["roles"], "lp": r4(r["behavior_logprobs"]),
-            "tlp": r4(r["trainer_logprobs"]), "versions": r["versions"],
-            "segments": r["segments"], "turns": r["turns"], "info": r["info"],
-            "images": [{k: im[k] for k in ("start", "num_tokens", "ref")} for im in r["images"]]}
+_ROLE = {"prompt": "p", "trainable": "t", "tool": "o"}
 
 
-def write_html(rows: list[dict[str, Any]], out: str | Path, title: str = "molt view") -> Path:
-    """The self-contained viewer: data as JSON inside the page, rendered by inline JS."""
-    data = json.dumps([_compact(r) for r in rows]).replace("</", "<\\/")
-    page = _PAGE.replace("__TITLE__", html.escape(title)).replace("__DATA__", data)
-    out = Path(out)
-    out.write_text(page)
+def _rollout(r: dict[str, Any]) -> dict[str, Any]:
+    """A row as the page reads it: roles one letter a token, with what the filters test
+    (`vrange`: oldest and newest sampling version; `gap`: max |trainer - behavior| log-prob)."""
+    sampled = [v for v in r["versions"] if v >= 0]
+    return {"group": r["group_id"], "rollout": r["rollout_id"], "task": r["task"],
+            "reward": r["reward"], "turn_rewards": r["turn_rewards"], "truncated": r["truncated"],
+            "ids": r["token_ids"], "roles": "".join(_ROLE[x] for x in token_roles(r)),
+            "lp": r["behavior_logprobs"], "tlp": r["trainer_logprobs"], "versions": r["versions"],
+            "segments": r["segments"], "turns": _turns(r), "info": r["info"],
+            "images": [{k: im[k] for k in ("start", "num_tokens", "ref")} for im in r["images"]],
+            "vrange": [min(sampled), max(sampled)] if sampled else None,
+            "gap": r.get("gap")}
+
+
+def step_record(step: int, rows: list[dict[str, Any]], decode: Decode) -> dict[str, Any]:
+    """One step for the page: its rollouts (rows of `iter_steps(..., digits=4)`) and the text
+    of each token id they hold."""
+    return {"step": step, "vocab": decode([i for r in rows for i in r["token_ids"]]),
+            "rollouts": [_rollout(r) for r in rows]}
+
+
+def _summary(rec: dict[str, Any]) -> dict[str, Any]:
+    """A step's line in the index: ranges the page's filters test before loading the step."""
+    ro = rec["rollouts"]
+    span = lambda xs: [min(xs), max(xs)] if xs else None     # noqa: E731
+    vr = [v for r in ro if r["vrange"] for v in r["vrange"]]
+    gaps = [r["gap"] for r in ro if r["gap"] is not None]
+    return {"step": rec["step"], "n": len(ro),
+            "reward": round(sum(r["reward"] for r in ro) / len(ro), 4),
+            "rewards": span([r["reward"] for r in ro]),
+            "turns": span([len(r["turns"]) for r in ro]),
+            "versions": span(vr), "gap": max(gaps) if gaps else None,
+            "tokens": round(sum(len(r["ids"]) for r in ro) / len(ro))}
+
+
+def _js(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).replace("</", "<\\/")
+
+
+def _page(out: Path, title: str, index: list[dict], paged: bool, inline: str = "") -> Path:
+    from molt_tools.view_page import PAGE
+
+    page = (PAGE.replace("__TITLE__", html.escape(title)).replace("__PAGED__", _js(paged))
+            .replace("__INDEX__", _js(index)).replace("__STEPS__", inline))
+    out.write_text(page, encoding="utf-8")
     return out
+
+
+def write_paged(steps: Iterator[tuple[int, list[dict]]], out: str | Path, decode: Decode,
+                title: str = "molt view") -> tuple[Path, list[dict]]:
+    """`out/index.html` (the per-step summaries) and `out/steps/step_NNNNNN.js` per step, which
+    the page loads by `<script src>` when the step is opened (from file:// too)."""
+    out = Path(out)
+    (out / "steps").mkdir(parents=True, exist_ok=True)
+    for old in (out / "steps").glob("step_*.js"):
+        old.unlink()
+    index = []
+    for step, rows in steps:
+        rec = step_record(step, rows, decode)
+        (out / "steps" / f"step_{step:06d}.js").write_text(f"molt_step({_js(rec)});\n",
+                                                          encoding="utf-8")
+        index.append(_summary(rec))
+    return _page(out / "index.html", title, index, True), index
+
+
+def write_single(steps: Iterator[tuple[int, list[dict]]], out: str | Path, decode: Decode,
+                 title: str = "molt view") -> tuple[Path, list[dict]]:
+    """One self-contained HTML file: the same page, every step inline."""
+    recs = [step_record(step, rows, decode) for step, rows in steps]
+    inline = "".join(f"<script>molt_step({_js(rec)});</script>\n" for rec in recs)
+    index = [_summary(r) for r in recs]
+    return _page(Path(out), title, index, False, inline), index
 
 
 def render_terminal(rows: list[dict[str, Any]], colour: str = "role", console: Any = None,
@@ -149,141 +272,43 @@ def render_terminal(rows: list[dict[str, Any]], colour: str = "role", console: A
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR")
-    p.add_argument("--out", default="", help="HTML file (default: RUN_DIR/view.html)")
+    p.add_argument("--out", default="",
+                   help="folder (default: RUN_DIR/view/), or the file with --single "
+                        "(default: RUN_DIR/view.html)")
+    p.add_argument("--single", action="store_true",
+                   help="one self-contained HTML file (small runs: every step inside it)")
     p.add_argument("--terminal", action="store_true", help="print with rich instead")
     p.add_argument("--step", type=int, action="append", help="only these steps")
     p.add_argument("--min-reward", type=float, default=None)
     p.add_argument("--max-reward", type=float, default=None)
     p.add_argument("--colour", default="role", choices=["role", "version", "gap"])
     p.add_argument("--limit", type=int, default=20, help="rollouts printed (--terminal)")
-    p.add_argument("--per-step", type=int, default=64,
-                   help="rollouts per step put in the HTML file (0: all)")
-    p.add_argument("--tokenizer", default=None, help="default: RUN_DIR/final, else the run's model.path")
+    p.add_argument("--per-step", type=int, default=None,
+                   help="rollouts kept per step (0: all; default: all, 64 with --single)")
+    p.add_argument("--tokenizer", default=None,
+                   help="default: RUN_DIR/final, else the run's model.path")
 
 
 def main(args: argparse.Namespace) -> int:
-    rows = [r for r in load_rows(args.run_dir, args.tokenizer)
-            if (not args.step or r["step"] in args.step)
-            and (args.min_reward is None or r["reward"] >= args.min_reward)
-            and (args.max_reward is None or r["reward"] <= args.max_reward)]
+    from molt_core.run.metrics import RunDirError
+
+    run_dir = Path(args.run_dir)
+    if not any(f.is_file() for f in _files(run_dir)):
+        raise RunDirError(f"no saved trajectories in {run_dir}: is it a run dir, and was "
+                          "log.trajectories_every > 0?")
+    keep = lambda r: ((not args.step or r["step"] in args.step)      # noqa: E731
+                      and (args.min_reward is None or r["reward"] >= args.min_reward)
+                      and (args.max_reward is None or r["reward"] <= args.max_reward))
     if args.terminal:
-        render_terminal(rows, args.colour, limit=args.limit)
+        render_terminal([r for r in load_rows(run_dir, args.tokenizer) if keep(r)], args.colour,
+                        limit=args.limit)
         return 0
-    seen: Counter[int] = Counter()
-    kept = []
-    for r in rows:
-        seen[r["step"]] += 1
-        if not args.per_step or seen[r["step"]] <= args.per_step:
-            kept.append(r)
-    rows = kept
-    out = write_html(rows, args.out or Path(args.run_dir) / "view.html",
-                     f"molt view: {Path(args.run_dir).resolve().name}")
-    print(f"view: {out} ({len(rows)} rollouts)")
+    decode = decoder(args.tokenizer or tokenizer_dir(run_dir))
+    per_step = (64 if args.single else 0) if args.per_step is None else args.per_step
+    steps = ((s, rows[:per_step or None]) for s, rows in iter_steps(run_dir, keep, args.step, 4))
+    title = f"molt view: {run_dir.resolve().name}"
+    write = write_single if args.single else write_paged
+    out, index = write(steps, args.out or run_dir / ("view.html" if args.single else "view"),
+                       decode, title)
+    print(f"view: {out} ({sum(s['n'] for s in index)} rollouts, {len(index)} steps)")
     return 0
-
-
-_PAGE = r"""<!doctype html>
-<html><head><meta charset="utf-8"><title>__TITLE__</title>
-<style>
-body{font:14px system-ui,sans-serif;margin:0;background:#fafafa;color:#222}
-header{position:sticky;top:0;background:#fff;border-bottom:1px solid #ddd;padding:8px 12px;
- display:flex;gap:14px;align-items:center;flex-wrap:wrap;z-index:1}
-h1{font-size:16px;margin:0}
-.rollout{background:#fff;border:1px solid #ddd;border-radius:6px;margin:10px 12px;padding:8px}
-.meta{font-size:12px;color:#555;margin-bottom:6px}
-.meta b{color:#000}
-.toks{font:13px ui-monospace,monospace;white-space:pre-wrap;word-break:break-all;line-height:1.7}
-.tok{border-radius:2px}
-.prompt{background:#eceff1;color:#555}.trainable{background:#b9f6ca}.tool{background:#ffe0b2}
-.seg{display:inline-block;border-left:3px solid #d32f2f;height:1.2em;margin:0 4px;
- vertical-align:middle}
-.turn{outline:1px dashed #1565c0;border-radius:3px}
-.treward{font:bold 11px system-ui;color:#fff;background:#1565c0;border-radius:8px;
- padding:0 5px;margin:0 3px}
-.img{background:#ce93d8;padding:0 4px;border-radius:3px;font:11px system-ui}
-.legend span{padding:1px 6px;margin-right:4px;border-radius:3px;font-size:12px}
-#count{color:#555}
-input{width:6em}
-</style></head><body>
-<header><h1>__TITLE__</h1>
-<label>step <select id="step"></select></label>
-<label>colour <select id="colour"><option value="role">prompt / trainable / tool</option>
-<option value="version">weight version</option><option value="gap">engine vs trainer gap</option>
-</select></label>
-<label>reward &ge; <input id="rmin" type="number" step="any" size="5"></label>
-<label>&le; <input id="rmax" type="number" step="any" size="5"></label>
-<span class="legend" id="legend"></span><span id="count"></span></header>
-<main id="list"></main>
-<script id="data" type="application/json">__DATA__</script>
-<script>
-const ROWS = JSON.parse(document.getElementById('data').textContent);
-const $ = id => document.getElementById(id);
-const steps = [...new Set(ROWS.map(r => r.step))].sort((a, b) => a - b);
-$('step').innerHTML = '<option value="all">all</option>' +
-  steps.map(s => `<option value="${s}">${s}</option>`).join('');
-if (steps.length) $('step').value = String(steps[0]);
-const HUES = [210, 330, 45, 120, 270, 0, 180, 90];
-function versionColour(v) { return v < 0 ? '#eceff1' : `hsl(${HUES[v % HUES.length]},70%,80%)`; }
-function gapColour(g) {
-  const t = Math.min(1, Math.log10(1 + g * 1e4) / 4);     // 0 -> green, >= 1 nat -> red
-  return `hsl(${120 - 120 * t},75%,75%)`;
-}
-function esc(s) { return s.replace(/[&<>]/g, c => ({'&': '&amp;', '<': '&lt;', '>': '&gt;'})[c]); }
-function tokenHtml(r, i, mode) {
-  const role = r.roles[i];
-  let style = '';
-  if (mode === 'version') style = `background:${versionColour(r.versions[i])}`;
-  if (mode === 'gap') style = role === 'trainable' && r.tlp.length
-      ? `background:${gapColour(Math.abs(r.tlp[i] - r.lp[i]))}` : 'background:#eceff1';
-  const tip = `id ${r.ids[i]} | ${role} | version ${r.versions[i]} | behavior lp ${r.lp[i]}` +
-      (r.tlp.length ? ` | trainer lp ${r.tlp[i]}` : '');
-  const cls = mode === 'role' ? `tok ${role}` : 'tok';
-  return `<span class="${cls}" data-i="${i}" style="${style}" title="${tip}">${esc(r.tokens[i])}</span>`;
-}
-function rolloutHtml(r, mode) {
-  const segs = new Set(r.segments), ends = new Map(r.turns.map((t, k) => [t[1], k]));
-  const starts = new Set(r.turns.map(t => t[0]));
-  const imgs = new Map(r.images.map(im => [im.start, im]));
-  let out = '';
-  for (let i = 0; i < r.tokens.length; i++) {
-    if (segs.has(i) && i) out += '<span class="seg" title="new segment"></span>';
-    if (starts.has(i)) out += '<span class="turn">';
-    const im = imgs.get(i);
-    if (im) { out += `<span class="img" title="image ${im.ref}">[image ${im.num_tokens} tokens]</span>`;
-              i += im.num_tokens - 1; continue; }
-    out += tokenHtml(r, i, mode);
-    if (ends.has(i + 1)) {
-      const k = ends.get(i + 1), tr = r.turn_rewards;
-      out += '</span>' + (tr && k < tr.length ? `<span class="treward">r=${tr[k]}</span>` : '');
-    }
-  }
-  const turns = r.turn_rewards ? ` &middot; turn rewards <b>${r.turn_rewards.join(', ')}</b>` : '';
-  return `<div class="rollout" data-reward="${r.reward}" data-step="${r.step}">
-<div class="meta">step <b>${r.step}</b> &middot; group <b>${r.group}</b> &middot; rollout
-<b>${r.rollout}</b> &middot; task ${r.task} &middot; reward <b class="reward">${r.reward}</b>${turns}
-&middot; ${r.segments.length} segment(s) &middot; ${r.tokens.length} tokens${r.truncated ? ' &middot; truncated' : ''}
-&middot; info <code>${esc(r.info)}</code></div>
-<div class="toks">${out}</div></div>`;
-}
-function legend(mode) {
-  if (mode === 'role') return '<span class="prompt">prompt</span><span class="trainable">trainable</span>' +
-      '<span class="tool">tool / env</span>';
-  if (mode === 'version') return [...new Set(ROWS.flatMap(r => r.versions))].filter(v => v >= 0)
-      .sort((a, b) => a - b).map(v => `<span style="background:${versionColour(v)}">v${v}</span>`).join('');
-  return [0, 1e-4, 1e-2, 1].map(g => `<span style="background:${gapColour(g)}">|gap| ${g}</span>`).join('');
-}
-function render() {
-  const step = $('step').value, mode = $('colour').value;
-  const lo = parseFloat($('rmin').value), hi = parseFloat($('rmax').value);
-  const shown = ROWS.filter(r => (step === 'all' || r.step === +step) &&
-      (isNaN(lo) || r.reward >= lo) && (isNaN(hi) || r.reward <= hi));
-  $('list').innerHTML = shown.map(r => rolloutHtml(r, mode)).join('');
-  $('legend').innerHTML = legend(mode);
-  $('count').textContent = `${shown.length} of ${ROWS.length} rollouts`;
-}
-for (const id of ['step', 'colour', 'rmin', 'rmax']) $(id).addEventListener('input', render);
-const q = new URLSearchParams(location.search);
-for (const k of ['step', 'colour', 'rmin', 'rmax']) if (q.has(k)) $(k).value = q.get(k);
-render();
-</script></body></html>
-"""

@@ -1,9 +1,11 @@
-"""`molt view`: the static HTML viewer in a real headless Chromium (DOM after its script ran, and
-a screenshot), and the rich terminal view. Trajectories are built and saved in-test (the store's
-own writer), so no training run is needed."""
+"""`molt view`: the paged HTML viewer (and its single-file mode) in a real headless Chromium
+(DOM after its scripts ran, and a screenshot), and the rich terminal view. Trajectories are
+built and saved in-test (the store's own writer), so no training run is needed."""
 
 from __future__ import annotations
 
+import html
+import json
 import re
 import shutil
 import subprocess
@@ -21,7 +23,7 @@ from transformers import AutoTokenizer
 from molt_tools.commands import main
 from molt_core.trajectory import Completion, ImageInput, Trajectory
 from molt_core.run.trajectory_store import trajectory_rows, write_trajectories
-from molt_tools.view import load_rows, render_terminal, token_roles
+from molt_tools.view import load_rows, read_trajectories, render_terminal, token_roles
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_browser = pytest.mark.skipif(CHROMIUM is None,
@@ -86,22 +88,43 @@ def chromium(*args: str) -> str:
     return re.sub(r"<script.*?</script>", "", out, flags=re.S)
 
 
+def listed_steps(dom: str) -> list[int]:
+    return [int(s) for s in re.findall(r'<div class="row[^"]*" data-step="(\d+)"', dom)]
+
+
+def shown_tokens(dom: str) -> list[list[tuple[int, str]]]:
+    """Per rollout drawn: (token position, its text) of each token span."""
+    return [[(int(i), html.unescape(t)) for i, t in
+             re.findall(r'<span class="tok[^"]*" data-i="(\d+)"[^>]*>([^<]*)</span>', part)]
+            for part in dom.split('<div class="rollout"')[1:]]
+
+
 @needs_browser
-def test_html_view_in_headless_chromium(run_dir, tmp_path, capsys):
+def test_paged_view_in_headless_chromium(run_dir, tmp_path, capsys):
+    """An index page and a script per step, loaded when opened; the filters over the index
+    and over the open step's rollouts; a screenshot with trainable tokens drawn."""
     assert main(["view", str(run_dir)]) == 0
-    page = run_dir / "view.html"
-    assert f"view: {page} (3 rollouts)" in capsys.readouterr().out
-    url = page.resolve().as_uri()
+    page = run_dir / "view" / "index.html"
+    assert f"view: {page} (3 rollouts, 2 steps)" in capsys.readouterr().out
+    assert sorted(f.name for f in (run_dir / "view" / "steps").iterdir()) == [
+        "step_000000.js", "step_000001.js"]
+    assert "guess 1-9" not in page.read_text(), "the index holds no rollouts"
+    url = page.as_uri()
     dom = chromium("--dump-dom", url)                  # first step shown by default
-    assert dom.count('class="rollout"') == 2 and "2 of 3 rollouts" in dom
+    assert listed_steps(dom) == [0, 1] and "step 0: 2 of 2 rollouts" in dom
+    assert dom.count('class="rollout"') == 2 and dom.count('class="treward"') == 2
     assert 'class="tok trainable"' in dom and 'class="tok tool"' in dom
-    assert 'class="tok prompt"' in dom and dom.count('class="treward"') == 2
-    dom = chromium("--dump-dom", url + "?step=all&rmin=0.2&rmax=1")   # search by reward
-    assert dom.count('class="rollout"') == 1 and 'data-reward="0.25"' in dom
-    assert 'class="seg"' in dom
+    assert 'class="tok prompt"' in dom
     dom = chromium("--dump-dom", url + "?step=1&colour=version")
     assert "v1</span>" in dom and "v2</span>" in dom and "hsl(330,70%,80%)" in dom
-    assert "[image 2 tokens]" in dom
+    assert "[image 2 tokens]" in dom and 'class="seg"' in dom
+    for query, steps, count in [("rmin=0.2&rmax=1", [0, 1], "step 0: 0 of 2"),  # by reward
+                                ("tmax=1", [0], "step 0: 1 of 2"),              # by turns
+                                ("vmin=2", [1], "step 1: 1 of 1"),              # by version
+                                ("gap=0.4", [1], "step 1: 1 of 1"),             # by |gap|
+                                ("lag=1", [], "")]:
+        dom = chromium("--dump-dom", f"{url}?{query}")
+        assert listed_steps(dom) == steps and count in dom, query
     shot = tmp_path / "shot.png"
     chromium(f"--screenshot={shot}", "--window-size=1000,700", url)
     img = matplotlib.image.imread(shot)[..., :3]
@@ -110,11 +133,53 @@ def test_html_view_in_headless_chromium(run_dir, tmp_path, capsys):
     assert (np.abs(img - trainable).max(-1) < 0.02).sum() > 20, "no trainable token drawn"
 
 
+@needs_browser
+def test_page_shows_the_stored_tokens_from_a_copied_run_dir(run_dir, tiny_chars_dir, tmp_path,
+                                                            monkeypatch):
+    """Run dir copied (its recipe's model path relative, the tokenizer in final/), viewed from
+    another directory, the view folder then moved on its own: each token drawn is the store's
+    id at that position, decoded alone, and a segment's tokens spell the store's own text."""
+    tok = AutoTokenizer.from_pretrained(tiny_chars_dir)
+    tok.save_pretrained(run_dir / "final")
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"model": {"path": ".cache/tiny-chars"}}))
+    copy = shutil.copytree(run_dir, tmp_path / "copy" / "run")
+    monkeypatch.chdir(tmp_path)
+    assert main(["view", str(copy), "--out", "elsewhere"]) == 0
+    moved = shutil.move(tmp_path / "elsewhere", tmp_path / "moved")
+    stored = {(r["step"], r["rollout_id"]): r for r in read_trajectories(copy)}
+    for step, n in ((0, 2), (1, 1)):
+        dom = chromium("--dump-dom", (moved / "index.html").as_uri() + f"?step={step}")
+        drawn = shown_tokens(dom)
+        assert len(drawn) == n
+        for k, toks in enumerate(drawn):
+            r = stored[step, k]
+            skipped = {im["start"] + j for im in r["images"] for j in range(im["num_tokens"])}
+            assert [i for i, _ in toks] == [i for i in range(len(r["token_ids"]))
+                                            if i not in skipped]
+            assert [t for _, t in toks] == [tok.decode([r["token_ids"][i]]) for i, _ in toks]
+            if not skipped:
+                assert "".join(t for _, t in toks) == "".join(r["segment_text"])
+    rec = json.loads((moved / "steps" / "step_000001.js").read_text()[len("molt_step("):-3])
+    assert rec["rollouts"][0]["ids"] == stored[1, 0]["token_ids"]
+
+
+@needs_browser
+def test_single_file_view(run_dir, capsys):
+    """`--single`: one file, every step inside it, the same page (no steps/ folder)."""
+    assert main(["view", str(run_dir), "--single"]) == 0
+    page = run_dir / "view.html"
+    assert f"view: {page} (3 rollouts, 2 steps)" in capsys.readouterr().out
+    assert not (run_dir / "view").exists()
+    dom = chromium("--dump-dom", page.as_uri() + "?step=1")
+    assert "step 1: 1 of 1 rollouts" in dom and "[image 2 tokens]" in dom
+
+
 def test_tokenizer_from_final_in_a_copied_run_dir_else_one_line_error(run_dir, tiny_chars_dir,
                                                                        tmp_path, monkeypatch,
                                                                        capsys):
     """A recipe's relative model.path died in huggingface_hub ('Repo id must use alphanumeric
-    chars') from another directory, although RUN_DIR/final holds the tokenizer."""
+    chars') from another directory, although RUN_DIR/final holds the tokenizer; a dir without
+    saved trajectories gets one line too."""
     (run_dir / "config.yaml").write_text(yaml.safe_dump({"model": {"path": ".cache/tiny-chars"}}))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -125,3 +190,6 @@ def test_tokenizer_from_final_in_a_copied_run_dir_else_one_line_error(run_dir, t
     AutoTokenizer.from_pretrained(tiny_chars_dir).save_pretrained(run_dir / "final")
     assert main(["view", str(run_dir), "--terminal"]) == 0
     assert "guess 1-9" in capsys.readouterr().out
+    assert main(["view", str(elsewhere)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: no saved trajectories in {elsewhere}") and err.count("\n") == 1
