@@ -102,7 +102,7 @@ def send(named: Iterable[tuple[str, torch.Tensor]], engines: list, version: int,
                                    for e in engines]
             return
         if group is None:
-            ref = actors.put(bucket)            # ray.put copies; embedded: the engine copies
+            ref = actors.put(bucket, engines)   # ray.put copies; embedded: the engine does
             _wait([e.update_weights.remote(ref, version) for e in engines], engines, timeout_s,
                   f"update_weights ({what})")
             return

@@ -89,8 +89,9 @@ def test_killed_engine_is_replaced_with_current_weights(ray_local, tiny_chars_di
     monkeypatch.syspath_prepend(str(TESTS))
     monkeypatch.setenv("MOLT_TEST_KILL_ENGINE", kill)
     more = ["rollout.scheme=async", "algorithm.correction=tis"] if scheme == "async" else []
-    cfg, plugins = load(_recipe(tmp_path, tiny_chars_dir), [
-        "trainer.steps=6", "check.consistency_every=1", *more], ["kill_plugin"])
+    cfg, plugins = load(_recipe(tmp_path, tiny_chars_dir), [   # an engine process to kill
+        "trainer.steps=6", "check.consistency_every=1", "ray.embedded=off", *more],
+        ["kill_plugin"])
     history = train(cfg, plugins, None, progress=False)    # every step: engine == trainer
     # counted in the step it happens in: sync, step 3's generation; async, step 2's weight push
     first = 3 if scheme == "sync" else 2
@@ -106,7 +107,7 @@ def test_engine_deaths_past_max_restarts_stop_the_run(ray_local, tiny_chars_dir,
     monkeypatch.syspath_prepend(str(TESTS))
     monkeypatch.setenv("MOLT_TEST_KILL_ENGINE", "end:0")
     cfg, plugins = load(_recipe(tmp_path, tiny_chars_dir), [
-        "trainer.steps=3", "engine.max_restarts=0"], ["kill_plugin"])
+        "trainer.steps=3", "engine.max_restarts=0", "ray.embedded=off"], ["kill_plugin"])
     with pytest.raises(EngineDiedError, match=r"engine 0 \(.*\) died: ActorDiedError: The actor "
                                               r"died .*engine.max_restarts=0 replacements"):
         train(cfg, plugins, None, progress=False)

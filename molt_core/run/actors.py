@@ -132,10 +132,10 @@ def wait(refs: list, num_returns: int = 1, timeout: float | None = None) -> tupl
     return done, [r for r in refs if r not in done]
 
 
-def put(value: Any) -> Any:
-    """`ray.put` where Ray runs; in the embedded mode the value itself (one address space)."""
+def put(value: Any, handles: list) -> Any:
+    """`ray.put` for Ray actors `handles`; for local ones the value itself (one address space)."""
     import ray
-    return ray.put(value) if ray.is_initialized() else value
+    return value if is_local(handles) else ray.put(value)
 
 
 def kill(handle: Any) -> None:
