@@ -1,9 +1,22 @@
 """Molt: a lean, PyTorch-native framework for reinforcement learning of LLM agents."""
 
+import importlib
+from typing import Any
+
 from molt_core.hookspecs import hookimpl
 
 __version__ = "0.1.0"
 # Bumped when a hook's signature or contract changes incompatibly; plugins declare the range they
 # support with a module attribute, e.g. `MOLT_HOOK_API = ">=1,<2"`.
 HOOK_API_VERSION = 1
-__all__ = ["HOOK_API_VERSION", "hookimpl"]
+__all__ = ["Config", "HOOK_API_VERSION", "Run", "evaluate", "export", "hookimpl", "load_recipe",
+           "train"]
+# the Python API (molt_core.api), imported on first use: `import molt_core` imports no torch
+_LAZY = {"Config": "molt_core.config", "export": "molt_core.run.checkpoint",
+         **dict.fromkeys(("Run", "evaluate", "load_recipe", "train"), "molt_core.api")}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'molt_core' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -16,7 +16,7 @@ from molt_core.config import Config, ConfigError, load_config, to_dict
 from molt_core.plugins import KINDS, PluginError, Plugins, build_plugins
 
 __all__ = ["check_against_plugins", "load", "plugin_args", "recipe_args", "run",
-           "run_args", "validate"]
+           "run_args", "start", "validate"]
 
 
 def plugin_args(p: argparse.ArgumentParser) -> None:
@@ -93,27 +93,38 @@ def validate(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.resume:
-        from molt_core.run.checkpoint import prepare_resume, resume_recipe
-        args.recipe, args.overrides = resume_recipe(args.resume, args.recipe, args.overrides)
-    if args.recipe is None:
-        raise ConfigError("molt run needs a recipe (or --resume RUN_DIR)")
-    from molt_core.run.cluster import prestart
-    with prestart(args.recipe, args.overrides):     # Ray starts while the plugins import
-        cfg, plugins = load(args.recipe, args.overrides, args.plugin, args.blocked)
-    from molt_core.run.metrics import configure_logging, make_run_dir
-    configure_logging(getattr(args, "log_level", "INFO"), fmt=cfg.log.format)
-    from molt_core.trainer import train
-    resume = None
-    if args.resume:
-        run_dir, resume = prepare_resume(args.resume, args.checkpoint, cfg, ["molt", *args.argv])
-    else:
-        run_dir = make_run_dir(cfg.out_dir, cfg.name, to_dict(cfg), plugins.info, cfg.seed,
-                               ["molt", *args.argv])
-    print(f"run dir: {run_dir}" + (f" (resuming {resume.name})" if resume else ""), file=sys.stderr)
-    history = train(cfg, plugins, run_dir, progress=not args.no_progress, resume=resume)
+    _, history = start(args.recipe, args.overrides, args.plugin, args.blocked,
+                       progress=not args.no_progress, resume=args.resume,
+                       checkpoint=args.checkpoint, argv=["molt", *args.argv],
+                       log_level=getattr(args, "log_level", "INFO"))
     steps = [h for h in history if "reward/mean" in h]      # not the eval rows
     if steps:
         first, last = steps[0]["reward/mean"], steps[-1]["reward/mean"]
         print(f"reward: first step {first:.3f} -> last step {last:.3f} ({len(steps)} steps)")
     return 0
+
+
+def start(recipe: str | None, overrides: list[str], plugin_names: list[str] = (),
+          blocked: list[str] = (), *, progress: bool = True, resume: str | None = None,
+          checkpoint: str | None = None, argv: list[str] = (), log_level: str = "INFO"
+          ) -> tuple[Path, list[dict]]:
+    """A training run (`molt run`, `molt_core.train`): its directory and metrics rows."""
+    if resume:
+        from molt_core.run.checkpoint import prepare_resume, resume_recipe
+        recipe, overrides = resume_recipe(resume, recipe, overrides)
+    if recipe is None and not overrides:
+        raise ConfigError("molt run needs a recipe (or --resume RUN_DIR)")
+    from molt_core.run.cluster import prestart
+    with prestart(recipe, overrides):     # Ray starts while the plugins import
+        cfg, plugins = load(recipe, overrides, plugin_names, blocked)
+    from molt_core.run.metrics import configure_logging, make_run_dir
+    configure_logging(log_level, fmt=cfg.log.format)
+    from molt_core.trainer import train
+    ckpt = None
+    if resume:
+        run_dir, ckpt = prepare_resume(resume, checkpoint, cfg, list(argv))
+    else:
+        run_dir = make_run_dir(cfg.out_dir, cfg.name, to_dict(cfg), plugins.info, cfg.seed,
+                               list(argv))
+    print(f"run dir: {run_dir}" + (f" (resuming {ckpt.name})" if ckpt else ""), file=sys.stderr)
+    return run_dir, train(cfg, plugins, run_dir, progress=progress, resume=ckpt)

@@ -219,9 +219,16 @@ def import_module(name: str) -> ModuleType:
             del sys.modules[path.stem]
             raise
     else:
-        if os.getcwd() not in sys.path and "" not in sys.path:
-            sys.path.append(os.getcwd())
-        module = importlib.import_module(name)
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name.partition(".")[0]:
+                raise
+            sys.path.insert(0, os.getcwd())
+            try:
+                module = importlib.import_module(name)
+            finally:
+                sys.path.remove(os.getcwd())
     if _is_file(name) or Path(getattr(module, "__file__", None) or "/").parent == Path.cwd():
         from ray import cloudpickle
         cloudpickle.register_pickle_by_value(module)

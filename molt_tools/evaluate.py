@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -44,23 +43,13 @@ def model_dir(path: str, scratch: Path) -> Path:
 
 
 def main(args: Any) -> int:
-    from transformers import AutoConfig, AutoTokenizer
+    from molt_core.api import evaluate
 
-    from molt_core.run import cluster
-    from molt_core.cli import load
-    from molt_core.rollout.eval import evaluate
-
-    with tempfile.TemporaryDirectory(prefix="molt-eval-") as scratch:
-        try:
-            path = model_dir(args.model, Path(scratch))
-        except (FileNotFoundError, ImportError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        cfg, plugins = load(args.recipe, [*args.overrides, f"model.path={path}"], args.plugin,
-                            args.blocked)
-        tok = AutoTokenizer.from_pretrained(path)
-        vocab = AutoConfig.from_pretrained(path).get_text_config().vocab_size
-        with cluster.start(cfg, plugins, trainer=False) as (_, engines):
-            metrics = evaluate(cfg, plugins, engines, tok, vocab)
+    try:
+        metrics = evaluate(args.model, args.recipe, args.overrides, plugins=args.plugin,
+                           blocked=args.blocked)
+    except (FileNotFoundError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps({"model": args.model, "recipe": args.recipe, **metrics}, indent=1))
     return 0

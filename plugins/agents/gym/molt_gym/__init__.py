@@ -15,10 +15,11 @@ from molt_core import hookimpl, multimodal
 from molt_core.config import ConfigError
 from molt_core.contracts import RolloutContext
 from molt_core.trajectory import ImageInput, Trajectory
+from molt_gym.dataset import Dataset
 from molt_gym.envs import (Addition, Arithmetic, Colours, Env, GuessNumber, MathProblems,
                            NextLetter, Observation, Spell)
 
-__all__ = ["Addition", "Arithmetic", "Colours", "Env", "GymAgent", "GuessNumber", "MathProblems",
+__all__ = ["Addition", "Arithmetic", "Colours", "Dataset", "Env", "GymAgent", "GuessNumber", "MathProblems",
            "NextLetter", "Spell"]
 
 class TemplateMismatch(RuntimeError):
@@ -112,6 +113,11 @@ def molt_configure(cfg: Any, plugins: Any) -> None:
     if cfg.agent.name == "gym":     # an unknown env or bad env_args: found before anything starts
         a = cfg.agent.args
         plugins.check_args("agent.args.env_args", "env", a["env"], a.get("env_args") or {})
+        if plugins.get("env", a["env"]) is Dataset:     # its files and reward functions load
+            try:
+                Dataset(**a["env_args"])
+            except (ValueError, OSError) as e:
+                raise ConfigError(f"agent.args.env_args: {e}") from None
         if a.get("chat_template", True) and Path(cfg.model.path).is_dir():
             from transformers import AutoTokenizer
             try:
@@ -124,4 +130,5 @@ def molt_configure(cfg: Any, plugins: Any) -> None:
 @hookimpl
 def molt_envs() -> dict:
     return {"addition": Addition, "next_letter": NextLetter, "guess_number": GuessNumber,
-            "math": MathProblems, "colours": Colours, "arithmetic": Arithmetic, "spell": Spell}
+            "math": MathProblems, "colours": Colours, "arithmetic": Arithmetic, "spell": Spell,
+            "dataset": Dataset}

@@ -8,6 +8,7 @@ import json
 import random
 import string
 import zlib
+from pathlib import Path
 
 import numpy as np
 
@@ -116,27 +117,44 @@ class GuessNumber(Env):
 
 @functools.lru_cache(maxsize=4)
 def _rows(path: str) -> tuple[dict, ...]:
+    """A JSONL, Parquet or CSV file's rows, or a `datasets.save_to_disk` directory's (a
+    DatasetDict's rows carry their split's name as "split")."""
+    if Path(path).is_dir():
+        try:
+            import datasets
+        except ImportError:
+            raise ValueError(f"{path}: a Hugging Face datasets directory needs `pip install "
+                             "datasets`") from None
+        ds = datasets.load_from_disk(path)
+        return tuple({**r, "split": name} for name, d in ds.items() for r in d.to_list()) \
+            if isinstance(ds, datasets.DatasetDict) else tuple(ds.to_list())
+    if path.endswith((".parquet", ".csv")):
+        import pyarrow.csv
+        import pyarrow.parquet
+        read = pyarrow.parquet.read_table if path.endswith(".parquet") else pyarrow.csv.read_csv
+        return tuple(read(path).to_pylist())
     with open(path) as f:
-        rows = tuple(json.loads(line) for line in f if line.strip())
-    bad = [i for i, r in enumerate(rows) if not {"prompt", "answer"} <= set(r)]
-    if not rows or bad:
-        raise ValueError(f"{path}: expected JSON lines with 'prompt' and 'answer' "
-                         f"({'empty file' if not rows else f'row {bad[0]} lacks them'})")
-    return rows
+        return tuple(json.loads(line) for line in f if line.strip())
 
 
 @functools.lru_cache(maxsize=8)
-def _split(path: str, split: str, test_fraction: float) -> tuple[dict, ...]:
-    """`split`'s rows: a row's own "split" field, else a hash of its prompt (test: `test_fraction`
-    of them), so no held-out row is ever a training row."""
-    if split not in ("train", "test"):
-        raise ValueError(f"split '{split}': use train or test")
+def _split(data: str | tuple[tuple[str, str], ...], split: str, test_fraction: float,
+           need: tuple[str, ...] = ("prompt", "answer")) -> tuple[dict, ...]:
+    """`split`'s rows: `data`'s (split, file) pairs declare it, else a row's own "split" field,
+    else a hash of its prompt (test: `test_fraction` of them), so no held-out row is ever a
+    training row."""
+    rows = tuple({**r, "split": s} for s, f in data for r in _rows(f)) \
+        if isinstance(data, tuple) else _rows(data)
+    bad = [i for i, r in enumerate(rows) if not set(need) <= set(r)]
+    if not rows or bad:
+        raise ValueError(f"{data}: expected rows with {', '.join(map(repr, need))} "
+                         f"({'no rows' if not rows else f'row {bad[0]} lacks them'})")
     def side(row: dict) -> str:
-        held = zlib.crc32(str(row["prompt"]).encode()) % 10_000 < test_fraction * 10_000
+        held = zlib.crc32(str(row[need[0]]).encode()) % 10_000 < test_fraction * 10_000
         return row.get("split", "test" if held else "train")
-    rows = tuple(r for r in _rows(path) if side(r) == split)
+    rows = tuple(r for r in rows if side(r) == split)
     if not rows:
-        raise ValueError(f"{path}: no '{split}' rows (test_fraction={test_fraction}, rows' "
+        raise ValueError(f"{data}: no '{split}' rows (test_fraction={test_fraction}, rows' "
                          "own 'split' field)")
     return rows
 
