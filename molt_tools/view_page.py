@@ -29,7 +29,8 @@ nav{position:sticky;top:var(--top,52px);flex:none;width:420px;height:calc(100vh 
 #index .row:hover{background:#e3f2fd}#index .row.cur{background:#bbdefb}
 #spark{display:block;margin:6px}
 main{flex:1;min-width:0}
-.rollout{background:#fff;border:1px solid #ddd;border-radius:6px;margin:10px 12px;padding:8px}
+.rollout{background:#fff;border:1px solid #ddd;border-radius:6px;margin:10px 12px;padding:8px;
+ content-visibility:auto;contain-intrinsic-size:auto 120px}
 .meta{font-size:12px;color:#555;margin-bottom:6px}
 .meta b{color:#000}
 .toks{font:13px ui-monospace,monospace;white-space:pre-wrap;word-break:break-all;line-height:1.7}
