@@ -225,16 +225,37 @@ def test_run_in_a_fresh_process_prestarts_ray_and_stops_it_on_bad_input(tiny_rec
     assert not left, f"Ray processes left behind: {left}"
 
 
-def test_look_around_commands_import_no_plugin_torch_or_transformers():
-    """`--version` and `-h` read entry-point metadata only (they took ~12 s importing plugins)."""
+def _imported(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """Which of `names` a fresh `molt ARGV` process imported."""
     code = ("import contextlib, sys; from molt_tools.commands import main\n"
             "with contextlib.suppress(SystemExit): main(sys.argv[1:])\n"
-            "print(sorted(m for m in ('torch', 'transformers', 'ray', 'molt_grpo') "
-            "if m in sys.modules))")
+            f"print(*sorted(m for m in {names!r} if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.splitlines()[-1].split()
+
+
+def test_look_around_commands_import_no_plugin_torch_or_transformers():
+    """`--version` and `-h` read entry-point metadata only (they took ~12 s importing plugins)."""
     for argv in (["--version"], ["-h"]):
-        done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True,
-                              text=True, timeout=120)
-        assert done.stdout.splitlines()[-1] == "[]", (argv, done.stderr[-2000:])
+        assert _imported(argv, ("torch", "transformers", "ray", "molt_grpo")) == [], argv
+
+
+def test_listing_plugins_imports_no_torch_transformers_or_ray():
+    """`molt plugins` imports every installed plugin but none of these (it took ~12 s): a plugin
+    module reads torch through `molt_core.lazy`, engines and trainer backends register as
+    "module:Class" (imported by `Plugins.get`), transformers is imported where it is used."""
+    assert _imported(["plugins"], ("torch", "transformers", "ray", "fastapi")) == []
+
+
+def test_no_third_party_progress_bars(tmp_path):
+    """transformers' tqdm bars ("Writing model shards") stay off the console, also where the
+    command's parser imports transformers (tiny-model) before the CLI turns them off."""
+    done = subprocess.run([sys.executable, "-m", "molt_tools", "tiny-model", str(tmp_path / "m"),
+                           "--chars"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "it/s" not in done.stderr and "Writing model shards" not in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("override, hint", [
