@@ -4,11 +4,10 @@ across a group's rollouts, that start from the same observation (token ids since
 
 from __future__ import annotations
 
-import torch
-
 from molt_core import hookimpl
 from molt_core.advantage import Rollouts
 from molt_core.algos import group_stats
+from molt_core.lazy import torch
 
 __all__ = ["gigpo", "gigpo_advantages", "step_keys"]
 

@@ -4,11 +4,10 @@ baseline, Kool et al., 2019, per turn; the bias of the per-turn-index alternativ
 
 from __future__ import annotations
 
-import torch
-
 from molt_core import hookimpl
 from molt_core.advantage import Rollouts
 from molt_core.algos import group_stats
+from molt_core.lazy import torch
 
 __all__ = ["reward_to_go", "turn_rloo", "turn_rloo_advantages"]
 
