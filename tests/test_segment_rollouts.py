@@ -110,6 +110,24 @@ def test_micro_batches_keep_a_rollouts_segments_together():
     assert [len(mb["input_ids"]) for mb in PolicyWorker._micro_batches(worker, plain)] == [3, 3, 2]
 
 
+def test_mini_batches_and_rank_shards_keep_a_rollouts_segments_together():
+    from molt_core.policy.handle import Policy, _cuts
+    batch, _, _ = training_batch(_rollouts(True), grpo_advantages, AlgorithmConfig(), None, 1.0,
+                                 0)                # rollout of each row: 0 0 0 1 2 2 3 4
+    assert _cuts(batch, [2, 4, 6]) == [(0, 3), (3, 4), (4, 6), (6, 8)]   # mini_batches=4
+    plain = {k: v for k, v in batch.items() if k != "rollout_index"}
+    assert _cuts(plain, [3, 6]) == [(0, 3), (3, 6), (6, 8)]              # rows as they come
+    policy = SimpleNamespace(workers=[None] * 3, replicas=1, in_driver=True)
+    shards = Policy._split(policy, batch)            # 3 ranks: targets rows 3 and 6
+    assert [s["rollout_index"].flatten().tolist() for s in shards] == [[0, 0, 0], [1, 2, 2],
+                                                                        [3, 4, -1]]
+    assert policy._sizes == [3, 3, 2] and not shards[2]["loss_mask"][2].any()   # padding
+    assert Policy._unsplit(policy, [s["input_ids"] for s in shards]).equal(batch["input_ids"])
+    policy.workers = [None] * 6                      # more shards than rollouts: padding only
+    shards = Policy._split(policy, {k: v[:3] for k, v in batch.items()})
+    assert policy._sizes == [3, 0, 0, 0, 0, 0] and {len(s["input_ids"]) for s in shards} == {3}
+
+
 def test_tiny_model_step_is_the_same_whatever_the_micro_batch_size(ray_local, tiny_model_dir):
     """GSPO on the real trainer: micro-batches of 2 rows (the 3-segment rollout must not be cut)
     give the one-micro-batch step's loss and gradient norm."""

@@ -36,12 +36,24 @@ def _pad_rows(batch: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]
         return batch
     out = {}
     for k, v in batch.items():
-        fill = torch.full((n, *v.shape[1:]), -1 if k in ("versions", "routed_experts") else 0,
-                          dtype=v.dtype)
+        fill = torch.full((n, *v.shape[1:]), -1 if k in (
+            "versions", "routed_experts", "rollout_index") else 0, dtype=v.dtype)
         if k == "attention_mask":
             fill[:, 0] = True
         out[k] = torch.cat([v, fill])
     return out
+
+
+def _cuts(batch: dict[str, torch.Tensor], targets: list[int]) -> list[tuple[int, int]]:
+    """Consecutive row ranges cut at the rollout start nearest each target row, so a rollout's
+    rows (consecutive, `rollout_index`) stay together: its sequence-level quantities (seq-mean,
+    GSPO's ratio, MIS) see all of it. Single-row rollouts: cut at the targets themselves."""
+    B = batch["input_ids"].shape[0]
+    ri = batch.get("rollout_index")
+    starts = (list(range(B + 1)) if ri is None else
+              [0, B] + (torch.nonzero(ri[1:, 0] != ri[:-1, 0]).flatten() + 1).tolist())
+    edges = sorted({min(starts, key=lambda r: abs(r - t)) for t in targets} - {0} | {0, B})
+    return list(zip(edges, edges[1:]))
 
 
 class _InDriver:
@@ -97,14 +109,22 @@ class Policy:
             raise
 
     def _split(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """One part per rank, a data shard's whole rollouts each; `_sizes`: its real rows."""
         # Equal rows per rank -> equal micro-batch counts -> FSDP collectives never hang.
         n = len(self.workers) // self.replicas
         B = batch["input_ids"].shape[0]
         per = math.ceil(B / n)
-        batch = _pad_rows(batch, per * n - B)
+        cuts = _cuts(batch, [d * per for d in range(1, n)])
+        cuts += [(B, B)] * (n - len(cuts))      # fewer rollouts than shards: padding only
+        self._sizes = [e - s for s, e in cuts]
         wire = (lambda t: t) if self.in_driver else _wire
-        return [{k: wire(v[d * per:(d + 1) * per]) for k, v in batch.items()}
-                for d in range(n) for _ in range(self.replicas)]
+        return [{k: wire(v) for k, v in _pad_rows({k: v[s:e] for k, v in batch.items()},
+                                                  max(self._sizes) - (e - s)).items()}
+                for s, e in cuts for _ in range(self.replicas)]
+
+    def _unsplit(self, parts: list, sizes: list[int] | None = None) -> torch.Tensor:
+        """The shards' results of a `_split` (default: the last; padding dropped) as one."""
+        return torch.cat([torch.as_tensor(p[:k]) for p, k in zip(parts, sizes or self._sizes)])
 
     def _get(self, refs: list, what: str) -> list:
         if self.in_driver:
@@ -127,9 +147,9 @@ class Policy:
         first, on the weights before the first step. A step with a non-finite loss or grad norm
         is skipped (`faults/nonfinite_steps`, total); `trainer.max_nonfinite_steps` of them in a
         row raise."""
-        B = self._rows = batch["input_ids"].shape[0]
-        bounds = [(int(r[0]), int(r[-1]) + 1)
-                  for r in torch.arange(B).tensor_split(min(self.cfg.mini_batches, B))]
+        B = batch["input_ids"].shape[0]
+        k = min(self.cfg.mini_batches, B)
+        bounds = _cuts(batch, [j * (B // k) + min(j, B % k) for j in range(1, k)])
         self._prox = None           # trained_logprobs: the workers' own with one step
         if len(bounds) * self.cfg.epochs > 1:
             self._prox = self.logprobs(batch, spec.temperature)
@@ -144,7 +164,7 @@ class Policy:
                     for w, p in zip(self.workers, self._split(part))], "train_step")[::self.replicas])
                 self._count_nonfinite(steps[-1][0]["nonfinite"])
         outs = [o for step in steps for o in step]
-        self._trained = [o["logprobs"] for o in steps[-1]]
+        self._trained = [o["logprobs"] for o in steps[-1]], self._sizes
         metrics = {"loss": sum(o["loss"] for o in outs) / len(steps),
                    "grad_norm": sum(step[0]["grad_norm"] for step in steps) / len(steps),
                    "faults/nonfinite_steps": self.nonfinite_steps}
@@ -178,7 +198,7 @@ class Policy:
         """[B, T] the trainer log-probs the last `train` used (pre-update), 0 where not trainable
         (several steps: pi_prox, computed before them; one: they came back with it)."""
         return (self._prox if self._prox is not None
-                else torch.from_numpy(np.concatenate(self._trained)[:self._rows]))
+                else self._unsplit(*self._trained))
 
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, T] the critic's values at trainable positions (pre-update), 0 elsewhere."""
@@ -194,10 +214,9 @@ class Policy:
         parts = self._get([getattr(w, method).remote(p, *args)
                            for w, p in zip(self.workers, self._split(batch))],
                           method)[::self.replicas]
-        B = batch["input_ids"].shape[0]
         if isinstance(parts[0], tuple):
-            return tuple(None if col[0] is None else torch.cat(col)[:B] for col in zip(*parts))
-        return torch.cat(parts)[:B]
+            return tuple(None if col[0] is None else self._unsplit(col) for col in zip(*parts))
+        return self._unsplit(parts)
 
     def full_params(self, adapter: bool = False, master: bool = False) -> dict[str, torch.Tensor]:
         """Gathered parameters by HF name (LoRA: merged; `adapter`: the adapter weights only), as

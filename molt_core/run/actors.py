@@ -33,43 +33,27 @@ class LocalActor:
     (coroutines interleave at their awaits)."""
 
     def __init__(self, cls: type, *args: Any, name: str = "", **kwargs: Any) -> None:
-        self._name = name or cls.__name__
-        self._loop = asyncio.new_event_loop()
+        self._name, self._loop = name or cls.__name__, asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name=f"molt-{self._name}")
         self._thread.start()
         try:    # built on its thread: what it sets per thread (torch's threads) stays its own
-            self._instance = self._call(lambda: cls(*args, **kwargs)).result()
+            self._instance = self._call(cls, args, kwargs).result()
         except BaseException:
             self.kill()
             raise
 
-    def _call(self, fn: Callable[[], Any]) -> cf.Future:
-        future: cf.Future = cf.Future()
-
-        def run() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                out = fn()
-                if inspect.iscoroutine(out):
-                    task = self._loop.create_task(out)
-                    task.add_done_callback(lambda t: _settle(future, t))
-                    future.add_done_callback(lambda f: f.cancelled() and
-                                             self._loop.call_soon_threadsafe(task.cancel))
-                    return
-                future.set_result(out)
-            except BaseException as e:
-                future.set_exception(e)
-        self._loop.call_soon_threadsafe(run)
-        return future
+    def _call(self, fn: Callable, args: tuple, kwargs: dict) -> cf.Future:
+        async def run() -> Any:
+            out = fn(*args, **kwargs)
+            return await out if inspect.isawaitable(out) else out
+        return asyncio.run_coroutine_threadsafe(run(), self._loop)   # cancel: the task's too
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
         method = getattr(self._instance, name)      # AttributeError: `hasattr` as on Ray handles
-        return types.SimpleNamespace(remote=lambda *a, **kw: LocalRef(
-            self._call(lambda: method(*a, **kw))))
+        return types.SimpleNamespace(remote=lambda *a, **kw: LocalRef(self._call(method, a, kw)))
 
     def __repr__(self) -> str:
         return f"LocalActor({self._name})"
@@ -77,25 +61,14 @@ class LocalActor:
     def kill(self) -> None:
         """Cancel what runs on the actor's loop, stop it and its thread."""
         async def stop() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            tasks = asyncio.all_tasks() - {asyncio.current_task()}
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self._loop.stop()
-        if self._loop.is_running():
+        if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(stop(), self._loop)
             self._thread.join(timeout=30)
-
-
-def _settle(future: cf.Future, task: asyncio.Task) -> None:
-    if future.done():
-        return
-    if task.cancelled():
-        future.cancel()
-    elif task.exception() is not None:
-        future.set_exception(task.exception())
-    else:
-        future.set_result(task.result())
 
 
 def is_local(handles: list) -> bool:
@@ -103,9 +76,11 @@ def is_local(handles: list) -> bool:
 
 
 def get(refs: Any, timeout: float | None = None) -> Any:
-    """`ray.get` for Ray refs and `LocalRef`s (a list: one deadline for all)."""
+    """`ray.get` of Ray refs or `LocalRef`s (a list: one deadline for all)."""
     many = isinstance(refs, list)
-    if not any(isinstance(r, LocalRef) for r in (refs if many else [refs])):
+    if many and not refs:
+        return []
+    if not isinstance(refs[0] if many else refs, LocalRef):
         import ray
         return ray.get(refs, timeout=timeout)
     done, pending = wait(refs if many else [refs], len(refs) if many else 1, timeout)
@@ -116,20 +91,16 @@ def get(refs: Any, timeout: float | None = None) -> Any:
 
 
 def wait(refs: list, num_returns: int = 1, timeout: float | None = None) -> tuple[list, list]:
-    """`ray.wait`: (the first `num_returns` done, in `refs`' order; the rest)."""
-    if not any(isinstance(r, LocalRef) for r in refs):
+    """`ray.wait` (`num_returns`: 1 or all): (those done, in `refs`' order; the others)."""
+    if not refs:
+        return [], []
+    if not isinstance(refs[0], LocalRef):
         import ray
         return ray.wait(refs, num_returns=num_returns, timeout=timeout)
-    futures = {r.future: r for r in refs}
-    pending = set(futures)
-    deadline = None if timeout is None else _now() + timeout
-    while len(futures) - len(pending) < num_returns and pending:
-        left = None if deadline is None else max(0.0, deadline - _now())
-        _, pending = cf.wait(pending, left, return_when=cf.FIRST_COMPLETED)
-        if left == 0.0:
-            break
-    done = [r for r in refs if r.future not in pending][:num_returns]
-    return done, [r for r in refs if r not in done]
+    done, _ = cf.wait([r.future for r in refs], timeout,
+                      cf.ALL_COMPLETED if num_returns >= len(refs) else cf.FIRST_COMPLETED)
+    ready = [r for r in refs if r.future in done][:num_returns]
+    return ready, [r for r in refs if r not in ready]
 
 
 def put(value: Any, handles: list) -> Any:
@@ -140,12 +111,6 @@ def put(value: Any, handles: list) -> Any:
 
 def kill(handle: Any) -> None:
     if isinstance(handle, LocalActor):
-        handle.kill()
-    else:
-        import ray
-        ray.kill(handle)
-
-
-def _now() -> float:
-    import time
-    return time.monotonic()
+        return handle.kill()
+    import ray
+    ray.kill(handle)
