@@ -12,8 +12,9 @@ HOOK_API_VERSION = 1
 __all__ = ["Config", "HOOK_API_VERSION", "Run", "evaluate", "export", "hookimpl", "load_recipe",
            "train"]
 # the Python API (molt_core.api), imported on first use: `import molt_core` imports no torch
-_LAZY = {"Config": "molt_core.config", "export": "molt_core.run.checkpoint",
-         **dict.fromkeys(("Run", "evaluate", "load_recipe", "train"), "molt_core.api")}
+_LAZY = {"Config": "molt_core.config", "export": "molt_core.run.checkpoint", "Run": "molt_core.api",
+         "evaluate": "molt_tools.evaluate", "load_recipe": "molt_core.api",
+         "train": "molt_core.api"}
 
 
 def __getattr__(name: str) -> Any:

@@ -202,9 +202,8 @@ def _is_file(name: str) -> bool:
 
 
 def import_module(name: str) -> ModuleType:
-    """Module `name`, looked up in the current directory too (as `python -m` does), or the file
-    `name` (`./my_env.py`: module `my_env`). Ray pickles the functions of either by value, so
-    actors that do not see the file can run them."""
+    """Module `name` (the current directory searched last) or file `name` (`./my_env.py`: module
+    `my_env`); Ray pickles their functions by value, for actors that cannot import them."""
     if _is_file(name):
         path = Path(name).resolve()
         if not path.is_file():
@@ -213,18 +212,12 @@ def import_module(name: str) -> ModuleType:
             raise ImportError(f"{name}: another module '{path.stem}' is imported; rename the file")
         spec = importlib.util.spec_from_file_location(path.stem, path)
         module = sys.modules[path.stem] = importlib.util.module_from_spec(spec)
-        try:
-            spec.loader.exec_module(module)      # type: ignore[union-attr]
-        except BaseException:
-            del sys.modules[path.stem]
-            raise
+        spec.loader.exec_module(module)      # type: ignore[union-attr]
     else:
         try:
             module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name.partition(".")[0]:
-                raise
-            sys.path.insert(0, os.getcwd())
+        except ModuleNotFoundError:
+            sys.path.append(os.getcwd())
             try:
                 module = importlib.import_module(name)
             finally:

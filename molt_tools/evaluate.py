@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_args", "main", "model_dir"]
+__all__ = ["add_args", "evaluate", "main", "model_dir"]
 
 
 def add_args(p: Any) -> None:
@@ -42,9 +43,28 @@ def model_dir(path: str, scratch: Path) -> Path:
                             "(adapter_config.json) or a Molt checkpoint")
 
 
-def main(args: Any) -> int:
-    from molt_core.api import evaluate
+def evaluate(model: str | Path, recipe: Any, overrides: Any = (), *, plugins: list[str] = (),
+             blocked: list[str] = ()) -> dict[str, float]:
+    """`molt_core.evaluate`: the recipe's held-out metrics (`eval/...`) of `model` (an HF or PEFT
+    directory, a Molt checkpoint or run directory); recipe and overrides as `molt_core.train`'s."""
+    from transformers import AutoConfig, AutoTokenizer
 
+    from molt_core.api import recipe_args
+    from molt_core.cli import load
+    from molt_core.rollout.eval import evaluate as held_out
+    from molt_core.run import cluster
+
+    with tempfile.TemporaryDirectory(prefix="molt-eval-") as scratch:
+        path = model_dir(str(model), Path(scratch))
+        recipe, extra = recipe_args(recipe, overrides)
+        cfg, plugs = load(recipe, [*extra, f"model.path={path}"], list(plugins), list(blocked))
+        tok = AutoTokenizer.from_pretrained(path)
+        vocab = AutoConfig.from_pretrained(path).get_text_config().vocab_size
+        with cluster.start(cfg, plugs, trainer=False) as (_, engines):
+            return held_out(cfg, plugs, engines, tok, vocab)
+
+
+def main(args: Any) -> int:
     try:
         metrics = evaluate(args.model, args.recipe, args.overrides, plugins=args.plugin,
                            blocked=args.blocked)

@@ -39,8 +39,15 @@ def test_docs_example_trains_from_the_recipe_and_the_python_api(tiny_chars_dir, 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
 
-    assert main(["run", "letters.yaml", "trainer.steps=1", "--no-progress"]) == 0
+    # the recipe alone; a reward function returning NaN is dropped and counted as for any env
+    (tmp_path / "extra.py").write_text("def nan_for_h(completion, answer):\n"
+                                       "    return float('nan') if answer == 'h' else 0.0\n")
+    assert main(["run", "letters.yaml", "trainer.steps=1", "--no-progress", "agent.args.env_args"
+                 ".reward={'rewards:next_letter': 1, './extra.py:nan_for_h': 1}"]) == 0
     assert "reward: first step" in capsys.readouterr().out
+    (cli_run,) = (tmp_path / "runs").iterdir()
+    (last,) = [json.loads(r) for r in (cli_run / "metrics.jsonl").read_text().splitlines()]
+    assert last["rollout/dropped/nonfinite_reward"] > 0
     cell = runpy.run_path("train.py")                          # the notebook cell, verbatim
     run = cell["run"]
     steps = [r for r in run.history if "reward/mean" in r]
@@ -48,21 +55,15 @@ def test_docs_example_trains_from_the_recipe_and_the_python_api(tiny_chars_dir, 
     assert all(0.0 <= r["reward/mean"] <= 1.1 for r in steps)
     (saved,) = (run.run_dir / "trajectories").glob("*.parquet")
     infos = [json.loads(i) for i in pq.read_table(saved, columns=["info"])["info"].to_pylist()]
-    rows = json.loads((tmp_path / "data/letters.jsonl").read_text().splitlines()[0])
-    assert rows == {"prompt": "after a", "answer": "b"}
     assert {i["row"] for i in infos} == set(range(8))           # one step = 16 groups: 2 epochs
     assert all(set(i) == {"row", "reward/rewards:next_letter", "reward/rewards:is_letter"}
                for i in infos)
 
-    # a Config from load_recipe, changed in Python; an env returning NaN rewards is dropped and
-    # counted as for any env; then export and evaluate the run
-    (tmp_path / "extra.py").write_text("def nan_for_h(completion, answer):\n"
-                                       "    return float('nan') if answer == 'h' else 0.0\n")
+    # a Config from load_recipe, changed in Python, is a recipe again (train takes it so)
     cfg = molt_core.load_recipe("letters.yaml", ["trainer.steps=1"])
     cfg.agent.args["env_args"]["reward"] = {"rewards:next_letter": 1.0, "./extra.py:nan_for_h": 1}
-    run_dir, history = molt_core.train(cfg)
-    assert history[-1]["rollout/dropped/nonfinite_reward"] > 0
-    model = molt_core.export(run_dir, tmp_path / "hf")
+    assert molt_core.load_recipe(cfg) == cfg
+    model = molt_core.export(run.run_dir, tmp_path / "hf")
     assert (model / "config.json").is_file()
     metrics = molt_core.evaluate(model, "letters.yaml", {
         "agent.args.env_args.test_fraction": 0.5, "eval.prompts": 4, "eval.k": 2,

@@ -15,12 +15,11 @@ from molt_core import hookimpl, multimodal
 from molt_core.config import ConfigError
 from molt_core.contracts import RolloutContext
 from molt_core.trajectory import ImageInput, Trajectory
-from molt_gym.dataset import Dataset
-from molt_gym.envs import (Addition, Arithmetic, Colours, Env, GuessNumber, MathProblems,
+from molt_gym.envs import (Addition, Arithmetic, Colours, Dataset, Env, GuessNumber, MathProblems,
                            NextLetter, Observation, Spell)
 
-__all__ = ["Addition", "Arithmetic", "Colours", "Dataset", "Env", "GymAgent", "GuessNumber", "MathProblems",
-           "NextLetter", "Spell"]
+__all__ = ["Addition", "Arithmetic", "Colours", "Dataset", "Env", "GymAgent", "GuessNumber",
+           "MathProblems", "NextLetter", "Spell"]
 
 class TemplateMismatch(RuntimeError):
     """The rendered history no longer starts with the tokens already captured."""
@@ -116,8 +115,8 @@ def molt_configure(cfg: Any, plugins: Any) -> None:
         if plugins.get("env", a["env"]) is Dataset:     # its files and reward functions load
             try:
                 Dataset(**a["env_args"])
-            except (ValueError, OSError) as e:
-                raise ConfigError(f"agent.args.env_args: {e}") from None
+            except (ValueError, OSError, ImportError) as e:
+                raise ConfigError(f"agent.args.env_args: {type(e).__name__}: {e}") from None
         if a.get("chat_template", True) and Path(cfg.model.path).is_dir():
             from transformers import AutoTokenizer
             try:

@@ -1,20 +1,24 @@
-"""The toy environments the CPU recipes learn; `Env` is the contract `molt_core.contracts.Env`."""
+"""The toy environments the CPU recipes learn, and `dataset`: a local dataset's rows, plain Python
+functions as the reward (TRL's `reward_funcs` too; docs/data.md). `Env`: `molt_core.contracts`."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import json
 import random
 import string
 import zlib
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
 from molt_core.contracts import Env, Observation
+from molt_core.plugins import import_module
 
-__all__ = ["Addition", "Arithmetic", "Colours", "Env", "GuessNumber", "MathProblems",
+__all__ = ["Addition", "Arithmetic", "Colours", "Dataset", "Env", "GuessNumber", "MathProblems",
            "NextLetter", "Observation", "Spell"]
 
 
@@ -117,17 +121,12 @@ class GuessNumber(Env):
 
 @functools.lru_cache(maxsize=4)
 def _rows(path: str) -> tuple[dict, ...]:
-    """A JSONL, Parquet or CSV file's rows, or a `datasets.save_to_disk` directory's (a
-    DatasetDict's rows carry their split's name as "split")."""
-    if Path(path).is_dir():
-        try:
-            import datasets
-        except ImportError:
-            raise ValueError(f"{path}: a Hugging Face datasets directory needs `pip install "
-                             "datasets`") from None
-        ds = datasets.load_from_disk(path)
-        return tuple({**r, "split": name} for name, d in ds.items() for r in d.to_list()) \
-            if isinstance(ds, datasets.DatasetDict) else tuple(ds.to_list())
+    """A JSONL, Parquet or CSV file's rows, or a `datasets` directory's (save_to_disk)."""
+    if Path(path).is_dir():     # a DatasetDict's splits are its rows' "split"
+        from datasets import DatasetDict, load_from_disk
+        ds = load_from_disk(path)
+        return tuple({**r, "split": s} for s, d in ds.items() for r in d.to_list()) \
+            if isinstance(ds, DatasetDict) else tuple(ds.to_list())
     if path.endswith((".parquet", ".csv")):
         import pyarrow.csv
         import pyarrow.parquet
@@ -138,23 +137,21 @@ def _rows(path: str) -> tuple[dict, ...]:
 
 
 @functools.lru_cache(maxsize=8)
-def _split(data: str | tuple[tuple[str, str], ...], split: str, test_fraction: float,
+def _split(path: str, split: str, test_fraction: float,
            need: tuple[str, ...] = ("prompt", "answer")) -> tuple[dict, ...]:
-    """`split`'s rows: `data`'s (split, file) pairs declare it, else a row's own "split" field,
-    else a hash of its prompt (test: `test_fraction` of them), so no held-out row is ever a
-    training row."""
-    rows = tuple({**r, "split": s} for s, f in data for r in _rows(f)) \
-        if isinstance(data, tuple) else _rows(data)
+    """`split`'s rows: a row's own "split" field, else a hash of its prompt (test: `test_fraction`
+    of them), so no held-out row is ever a training row."""
+    rows = _rows(path)
     bad = [i for i, r in enumerate(rows) if not set(need) <= set(r)]
     if not rows or bad:
-        raise ValueError(f"{data}: expected rows with {', '.join(map(repr, need))} "
+        raise ValueError(f"{path}: expected rows with {', '.join(map(repr, need))} "
                          f"({'no rows' if not rows else f'row {bad[0]} lacks them'})")
     def side(row: dict) -> str:
         held = zlib.crc32(str(row[need[0]]).encode()) % 10_000 < test_fraction * 10_000
         return row.get("split", "test" if held else "train")
     rows = tuple(r for r in rows if side(r) == split)
     if not rows:
-        raise ValueError(f"{data}: no '{split}' rows (test_fraction={test_fraction}, rows' "
+        raise ValueError(f"{path}: no '{split}' rows (test_fraction={test_fraction}, rows' "
                          "own 'split' field)")
     return rows
 
@@ -233,6 +230,86 @@ class Arithmetic(MathProblems):
         self.row = {"answer": str(answer)}
         words = {"n": rng.choice(self.NAMES), "x": rng.choice(self.ITEMS), "a": a, "b": b}
         return text.format(**words) + self.instruction
+
+
+TASKS_PER_SEED = 1_000_003      # training's task = seed * 1_000_003 + group id (Generator.task_of)
+
+
+@functools.lru_cache(maxsize=8)
+def _functions(spec: tuple[tuple[str, float], ...]) -> tuple[tuple[str, Callable, float], ...]:
+    out = []
+    for name, weight in spec:
+        module, _, attr = name.rpartition(":")
+        try:
+            out.append((name, getattr(import_module(module), attr), float(weight)))
+        except (ImportError, OSError, AttributeError, ValueError) as e:
+            raise ValueError(f"reward '{name}' (module:function): {type(e).__name__}: {e}") \
+                from None
+    return tuple(out)
+
+
+async def _call(fn: Callable, completion: str, prompt: Observation, columns: dict) -> Any:
+    """TRL's form (first parameter `completions`): lists in, one float or None per completion
+    out; else Molt's: `fn(completion, prompt=.., **columns) -> float | (float, info)`."""
+    params = inspect.signature(fn).parameters
+    trl = "completions" in params
+    reply = [{"role": "assistant", "content": completion}] if type(prompt) is list else completion
+    kwargs = {"completions": [reply], "prompts": [prompt], **{k: [v] for k, v in columns.items()}
+              } if trl else {"prompt": prompt, **columns}
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    args = () if trl else (completion,)
+    out = fn(*args, **kwargs) if inspect.iscoroutinefunction(fn) else \
+        await asyncio.to_thread(fn, *args, **kwargs)
+    out = await out if inspect.isawaitable(out) else out
+    if trl and (not isinstance(out, (list, tuple)) or len(out) != 1):
+        raise TypeError(f"returned {out!r}; expected a list of one float (or None) per completion")
+    out = out[0] if trl else out
+    value, info = out if isinstance(out, tuple) else (out, {})
+    return None if value is None else float(value), info
+
+
+class Dataset(Env):
+    """Single turn: a row's `prompt` column (text or chat messages) is the observation; the reward
+    is the weighted sum of `reward`'s functions (a name, a list or {name: weight}) of the reply and
+    the row's columns. The train split is read in epochs, each shuffled by the run's seed."""
+
+    def __init__(self, *, data: str, reward: str | list | dict, prompt: str = "prompt",
+                 split: str = "train", test_fraction: float = 0.1, shuffle: bool = True) -> None:
+        self.rows = _split(data, split, test_fraction, (prompt,))
+        spec = reward.items() if isinstance(reward, dict) else \
+            [(r, 1.0) for r in ([reward] if isinstance(reward, str) else reward)]
+        self.functions = _functions(tuple(spec))
+        self.prompt, self.shuffle = prompt, shuffle and split == "train"
+
+    async def reset(self, seed: int) -> Observation:
+        # epoch and row from the task cursor (checkpoints save it); eval tasks: in order
+        epoch_start = seed - (seed % TASKS_PER_SEED) % len(self.rows)
+        self.index = int(_order(epoch_start, len(self.rows))[seed - epoch_start]) if \
+            self.shuffle else (seed % TASKS_PER_SEED) % len(self.rows)
+        self.row = self.rows[self.index]
+        return self.row[self.prompt]
+
+    async def step(self, action: str) -> tuple[None, float, bool, dict]:
+        """Functions returning None are skipped; if all do, NaN (the rollout is dropped)."""
+        columns = {k: v for k, v in self.row.items() if k != self.prompt}
+        total, scored, info = 0.0, False, {"row": self.index}
+        for name, fn, weight in self.functions:
+            try:
+                value, extra = await _call(fn, action, self.row[self.prompt], columns)
+            except Exception as e:
+                raise RuntimeError(f"reward function '{name}' failed on row {self.index} "
+                                   f"({self.row[self.prompt]!r:.60}): {type(e).__name__}: {e}"
+                                   ) from e
+            info.update(extra)
+            if value is not None:
+                total, scored, info[f"reward/{name}"] = total + weight * value, True, value
+        return None, total if scored else float("nan"), True, info
+
+
+@functools.lru_cache(maxsize=4)
+def _order(epoch_start: int, n: int) -> np.ndarray:
+    return np.random.default_rng(epoch_start).permutation(n)
 
 
 class Colours(Env):
