@@ -27,7 +27,8 @@ def molt_estimators() -> dict[str, Callable]:
     """Register advantage estimators: `{name: fn}`, `fn(rewards[R], group_index[R], **kwargs) ->
     advantages[R]` (`group_index` long). With `fn.needs_values = True`, per token with the critic's
     values: `fn(rewards[B, T], values[B, T], mask[B, T], group_index[B], **kwargs) ->
-    (advantages[B, T], returns[B, T])` (`molt_core.advantage`). kwargs: `algorithm.estimator_args`.
+    (advantages[B, T], returns[B, T])` (`molt_core.advantage`). With `fn.per_turn = True`,
+    advantages[R, K]: one per model call (`Trajectory.turns`). kwargs: `algorithm.estimator_args`.
     """
 
 
