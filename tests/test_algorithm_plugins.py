@@ -18,6 +18,8 @@ RECIPES = Path(__file__).parents[1] / "recipes" / "cpu"
     ("dr_grpo", "dr_grpo", "ppo_clip"),
     ("rloo", "rloo", "ppo_clip"),
     ("reinforce_pp", "reinforce_pp", "ppo_clip"),
+    ("turn_rloo", "turn_rloo", "ppo_clip"),
+    ("gigpo", "gigpo", "ppo_clip"),
     ("gspo", "grpo", "gspo"),
     ("cispo", "grpo", "cispo"),
 ])
