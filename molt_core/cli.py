@@ -69,9 +69,9 @@ def check_against_plugins(cfg: Config, plugins: Plugins) -> None:
     for kind, (_, key) in KINDS.items():
         if key:
             section, field = key.split(".")
-            plugins.get(kind, getattr(getattr(cfg, section), field))
+            plugins.get(kind, getattr(getattr(cfg, section), field), load=False)
     for name in cfg.log.sinks:
-        plugins.get("metric_sink", name)
+        plugins.get("metric_sink", name, load=False)
     a = cfg.algorithm
     plugins.check_args("algorithm.estimator_args", "estimator", a.estimator, a.estimator_args)
     plugins.check_args("algorithm.loss_args", "loss", a.loss, a.loss_args)

@@ -65,8 +65,9 @@ class Plugins:
     def hook(self) -> Any:
         return self.pm.hook
 
-    def get(self, kind: str, name: str) -> Any:
-        """Look up a registered entry; the error lists the valid names and blocked plugins."""
+    def get(self, kind: str, name: str, load: bool = True) -> Any:
+        """Look up a registered entry; the error lists the valid names and blocked plugins
+        (`load=False`: a built-in's "module:attr" stays unimported)."""
         entries = self.registry[kind]
         if name not in entries:
             valid = ", ".join(sorted(entries)) or "(none)"
@@ -76,7 +77,7 @@ class Plugins:
                 f"Install the plugin that provides it (e.g. pip install molt-"
                 f"{kind.replace('_', '-')}-{name}) or fix the name in the recipe")
             raise PluginError(f"unknown {kind} '{name}'; valid: {valid}{hint}. {fix}")
-        if isinstance(entries[name], str):    # "module:attr", imported on first use
+        if load and isinstance(entries[name], str):    # "module:attr", imported on first use
             module, attr = entries[name].split(":")
             entries[name] = getattr(importlib.import_module(module), attr)
         return entries[name]
@@ -95,7 +96,10 @@ class Plugins:
 
     def check_args(self, where: str, kind: str, name: str, kwargs: dict) -> None:
         """`kwargs` (config key `where`) suit entry `name`: known keyword-only (or defaulted)
-        parameters, values matching their annotations, required keyword-only ones present."""
+        parameters, values matching their annotations, required keyword-only ones present.
+        A built-in given no arguments is not imported for it (built-ins require none)."""
+        if not kwargs and isinstance(self.get(kind, name, load=False), str):
+            return
         fn = self.get(kind, name)
         what = f"{kind} '{name}' (plugin {self.owner[(kind, name)]})"
         params = [p for p in inspect.signature(fn).parameters.values()
@@ -214,14 +218,11 @@ def import_module(name: str) -> ModuleType:
         module = sys.modules[path.stem] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)      # type: ignore[union-attr]
     else:
+        path, sys.path = sys.path, [*sys.path, os.getcwd()]
         try:
             module = importlib.import_module(name)
-        except ModuleNotFoundError:
-            sys.path.append(os.getcwd())
-            try:
-                module = importlib.import_module(name)
-            finally:
-                sys.path.remove(os.getcwd())
+        finally:
+            sys.path = path
     if _is_file(name) or Path(getattr(module, "__file__", None) or "/").parent == Path.cwd():
         from ray import cloudpickle
         cloudpickle.register_pickle_by_value(module)

@@ -52,7 +52,7 @@ def test_exponent_floats_without_a_dot(recipe, tmp_path):
     ({}, "model.path=/nonexistent/model", "model.path '/nonexistent/model' has no config.json"),
     ({"model__path": ""}, None, "model.path is missing"),
     ({}, "algorithm.loss_args.clip_lo=0.1", "does not accept clip_lo; it accepts: clip_high, clip_low"),
-    ({}, "algorithm.estimator=nope", "unknown estimator 'nope'; valid: dapo, dr_grpo, grpo"),
+    ({}, "algorithm.estimator=nope", "unknown estimator 'nope'; valid: dapo, dr_grpo, gigpo, grpo"),
     ({}, "algorithm.terms.kl_in=rewards", "config key 'algorithm.terms.kl_in' must be one of loss, reward, got 'rewards'"),
     ({}, "algorithm.terms.entropy_coef=-0.1", "algorithm.terms.entropy_coef must be >= 0"),
 ])
