@@ -10,19 +10,13 @@ model's chat template, generates in token space with the rollout's
   sampled reply ids are appended unchanged (`add_completion`), never re-tokenized. Otherwise (a
   template that drops earlier `<think>` blocks re-renders history) a new *segment* starts from
   the full rendering; the trainer treats each segment as its own sequence (`split_segments`).
-- An identical retried request (`stream` aside) returns the cached reply. The previous request's
-  messages with anything else changed sample afresh, and the new reply *replaces* the previous
-  one in the trajectory (`_rollback`, `info["resampled"]`).
-- `stop` cuts the sampled text before the first stop string; only the tokens before it enter the
-  trajectory (a token straddling its start is dropped too). Tool calls are parsed from the reply
-  text (`parse_tool_calls`); the sampled tokens stay as sampled. Images: base64 data URIs become
-  the template's image placeholders (`molt_core.multimodal`). Streaming: `molt_core.chat.stream`.
+- Retries, fresh samples (`_rollback`), `stop`, tool calls and limits: docs/agents.md. A token
+  straddling a stop string's start is dropped too; tool calls are parsed from the reply text,
+  the sampled tokens stay as sampled. Images: `molt_core.multimodal`; streaming: `chat.stream`.
 
-Limits: a body over the session's `max_body_bytes` is a 413, one not in within `body_timeout_s` a
-408, JSON nested deeper than 64 levels a 400; large bodies are parsed, rendered and tokenized off
-the event loop. The server binds
-127.0.0.1 only, on a random port: one per process and event loop (`shared_server()`), started
-lazily on the running loop (the generator's), where all sessions are served concurrently.
+Large bodies are parsed, rendered and tokenized off the event loop. The server binds 127.0.0.1
+only, on a random port: one per process and event loop (`shared_server()`), started lazily on the
+running loop (the generator's), where all sessions are served concurrently.
 """
 
 from __future__ import annotations
@@ -106,10 +100,7 @@ class ChatSession:
     _encoder: multimodal.MessageEncoder | None = None
 
     def render(self, messages: list[dict], tools: list[dict] | None) -> str:
-        try:
-            require_chat_template(self.tokenizer)
-        except ValueError as e:
-            raise RequestError(500, str(e)) from None
+        """The prompt text (`open_session` checked the tokenizer has a chat template)."""
         return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                   add_generation_prompt=True)
 
@@ -378,12 +369,8 @@ class ChatServer:
             s.requests += 1
             if key in s._cache:
                 return s._cache[key], stream
-            if api == "openai":
-                messages, tools = api_.openai_messages(body)
-            elif api == "responses":
-                messages, tools = api_.responses_messages(body)
-            else:
-                messages, tools = api_.anthropic_messages(body, s._raw_args)
+            parse = {"openai": api_.openai_messages, "responses": api_.responses_messages}.get(api)
+            messages, tools = parse(body) if parse else api_.anthropic_messages(body, s._raw_args)
             stop = api_.stop_strings(body, "stop_sequences" if api == "anthropic" else "stop")
             try:
                 prep = (await asyncio.to_thread(s.prepare, messages, tools) if big
@@ -439,26 +426,23 @@ class ChatServer:
                                            "code": e.code or e.status, "param": None}},
                                 status_code=e.status)
 
-        async def serve(api: str, session: str, request: Request) -> Response:
-            try:
-                resp, stream = await self._handle(api, session, request)
-            except ClientDisconnect:
-                self._drop("disconnect", "a client left before sending its whole request body")
-                return Response(status_code=400)
-            except RequestError as e:
-                if e.status == 408:
-                    self._drop("body_timeout", str(e))
-                return error(api, e)
-            except Exception as e:     # one logged traceback and a clean 500, never ASGI noise
-                _log.exception("chat server: %s request failed", api)
-                return error(api, RequestError(500, f"internal error: {e!r}"))
-            if stream:
-                return StreamingResponse(sse_events(api, resp), media_type="text/event-stream")
-            return JSONResponse(resp)
-
         def endpoint(api: str) -> Callable:
             async def post(session: str, request: Request) -> Response:
-                return await serve(api, session, request)
+                try:
+                    resp, stream = await self._handle(api, session, request)
+                except ClientDisconnect:
+                    self._drop("disconnect", "a client left before sending its whole request body")
+                    return Response(status_code=400)
+                except RequestError as e:
+                    if e.status == 408:
+                        self._drop("body_timeout", str(e))
+                    return error(api, e)
+                except Exception as e:     # one logged traceback and a clean 500, never ASGI noise
+                    _log.exception("chat server: %s request failed", api)
+                    return error(api, RequestError(500, f"internal error: {e!r}"))
+                if stream:
+                    return StreamingResponse(sse_events(api, resp), media_type="text/event-stream")
+                return JSONResponse(resp)
             return post
 
         for path, api in (("chat/completions", "openai"), ("responses", "responses"),
