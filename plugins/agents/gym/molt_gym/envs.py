@@ -128,9 +128,8 @@ def _rows(path: str) -> tuple[dict, ...]:
         return tuple({**r, "split": s} for s, d in ds.items() for r in d.to_list()) \
             if isinstance(ds, DatasetDict) else tuple(ds.to_list())
     if path.endswith((".parquet", ".csv")):
-        import pyarrow.csv
-        import pyarrow.parquet
-        read = pyarrow.parquet.read_table if path.endswith(".parquet") else pyarrow.csv.read_csv
+        from pyarrow import csv, parquet
+        read = parquet.read_table if path.endswith(".parquet") else csv.read_csv
         return tuple(read(path).to_pylist())
     with open(path) as f:
         return tuple(json.loads(line) for line in f if line.strip())
