@@ -129,14 +129,12 @@ class TrajectoryWriter:
         self.proc.stdin.write(setup)
         for item in iter(self.queue.get, None):
             try:    # MoE routing is not saved (large, slow to pickle)
-                if item == "flush":
-                    pickle.dump(item, self.proc.stdin)
-                    self.proc.stdin.flush()
-                    continue
-                step, trajs, lp = item
-                trajs = [replace(t, routed_experts=None) if t.routed_experts else t for t in trajs]
-                tasks = {t.group_id: self.task_of(t.group_id) for t in trajs if self.task_of}
-                pickle.dump((step, trajs, tasks, lp), self.proc.stdin, protocol=5)
+                if item != "flush":
+                    step, trajs, lp = item
+                    trajs = [replace(t, routed_experts=None) for t in trajs]
+                    tasks = {t.group_id: self.task_of(t.group_id) for t in trajs if self.task_of}
+                    item = (step, trajs, tasks, lp)
+                pickle.dump(item, self.proc.stdin, protocol=5)
                 self.proc.stdin.flush()
             except BrokenPipeError:     # the writer died: `write` and `flush` say why
                 return
