@@ -1,15 +1,10 @@
 """Trainer backend `automodel`: NVIDIA NeMo AutoModel builds and parallelizes the policy (GPU).
 
 Same ranks, loss, log-probs and weight sync as `fsdp2` (`policy.PolicyWorker`); only the model
-construction differs. `NeMoAutoModelForCausalLM` (`...ForImageTextToText` for checkpoints with a
-vision tower) loads the checkpoint with AutoModel's FSDP2 strategy on a (dp, tp) device mesh from
-`trainer.dp_size/tp_size`; with `trainer.ep_size > 1` it uses AutoModel's own MoE layers, experts
-sharded over an ep mesh (dense layers and ep=1 keep the HF implementation, so names and modules
-are the ones the engines and `molt_core.moe` know). Master weights and AdamW are fp32; forward and
-backward run in `model.dtype` through FSDP2's mixed-precision policy. `trainer.optimizer_offload`
-passes FSDP2's `CPUOffloadPolicy` (params, grads and optimizer state on the CPU).
-
-nemo-automodel asserts CUDA when it builds a model: this backend runs only where ranks get GPUs.
+construction differs (docs/scaling.md): AutoModel's FSDP2 strategy on a (dp, tp) mesh and, with
+`trainer.ep_size > 1`, its own MoE layers, experts sharded over an ep mesh (dense layers and ep=1
+keep the HF implementation, so names and modules are the ones the engines and `molt_core.moe`
+know). nemo-automodel asserts CUDA when it builds a model: it runs only where ranks get GPUs.
 """
 
 from __future__ import annotations
