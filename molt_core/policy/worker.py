@@ -36,8 +36,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class PolicyWorker:
-    """One FSDP2 rank. Plain class; `Policy` runs it as a Ray actor (one CPU rank: in the
-    driver's process, `trainer.in_driver`)."""
+    """One FSDP2 rank, a plain class (how `Policy` runs it: the module docstring)."""
 
     share_context = False                # token_logprobs' shared contexts (`_build_model`)
 
