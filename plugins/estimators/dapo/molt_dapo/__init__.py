@@ -3,10 +3,11 @@
 
 Both batch-filter steps run in `molt_filter_batch` because only trajectories know lengths
 (estimators receive rewards only): overlong shaping first (`dapo.overlong_buffer` = Lcache > 0),
-L: the rollout's longest engine response (`response_length`), r += factor * r_len, r_len = 0 if L <= Lmax - Lcache, (Lmax - Lcache - L) / Lcache inside the
-buffer, -1 beyond Lmax; then dynamic sampling (on with estimator `dapo`): a group whose rewards
-are all equal has no gradient and is replaced by groups from `refill`. Options: the recipe's
-`dapo:` section (`DapoConfig`); counters: `dapo/*`.
+r += factor * r_len with L the rollout's longest engine response (`response_length`): r_len = 0
+if L <= Lmax - Lcache, (Lmax - Lcache - L) / Lcache inside the buffer, -1 beyond Lmax; then
+dynamic sampling (on with estimator `dapo`): a group whose rewards are all equal has no gradient
+and is replaced by groups from `refill`. Options: the `dapo:` section (`DapoConfig`); counters:
+`dapo/*`.
 """
 
 from __future__ import annotations
