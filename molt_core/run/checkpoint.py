@@ -84,8 +84,7 @@ def _step_dirs(run_dir: Path) -> list[Path]:
 
 
 def latest(run_dir: Path) -> Path | None:
-    dirs = _step_dirs(Path(run_dir))
-    return dirs[-1] if dirs else None
+    return next(reversed(_step_dirs(Path(run_dir))), None)
 
 
 def resolve(path: str | Path) -> Path:
@@ -253,21 +252,14 @@ class Checkpointer:
 # -- export ------------------------------------------------------------------------------------
 def _policy_tensors(policy_dir: Path) -> dict[str, torch.Tensor]:
     """The full (unsharded) policy weights of a DCP checkpoint, by HF name, read in one process."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
     reader = dcp.FileSystemReader(str(policy_dir))
-    keys = [k for k in reader.read_metadata().state_dict_metadata
-            if k.startswith("model.policy.")]
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype)
+             for k, m in reader.read_metadata().state_dict_metadata.items()
+             if k.startswith("model.policy.")}
     with warnings.catch_warnings():      # "no process group: loading in one process" is the point
         warnings.simplefilter("ignore", UserWarning)
-        loaded = _load_state_dict_from_keys(set(keys), checkpoint_id=str(policy_dir))
-    flat: dict[str, torch.Tensor] = {}
-
-    def walk(d: Any, pre: str) -> None:
-        for k, v in d.items():
-            walk(v, f"{pre}{k}.") if isinstance(v, dict) else flat.__setitem__(f"{pre}{k}", v)
-    walk(loaded, "")
-    return {k.removeprefix("model.policy."): v for k, v in flat.items()}
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return {k.removeprefix("model.policy."): v for k, v in state.items()}
 
 
 def export(checkpoint: str | Path, out: str | Path) -> Path:
