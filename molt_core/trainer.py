@@ -22,7 +22,7 @@ from molt_core.rollout.generator import Generator, version_lag_metrics
 from molt_core.rollout.restarts import EngineRestarts
 from molt_core.run import cluster
 from molt_core.run.checkpoint import Checkpointer
-from molt_core.run.metrics import MetricsSink
+from molt_core.run.metrics import MetricsSink, namespaced
 from molt_core.run.trajectory_store import TrajectoryWriter
 from molt_core.trajectory import Trajectory, collate
 
@@ -117,18 +117,19 @@ class _Log:
     `eval.every`, held-out evaluation rows ({"step": updates so far, "eval/...": ...})."""
 
     def __init__(self, cfg: Config, plugins: Plugins, sink: MetricsSink,
-                 evaluate: Callable[[], dict[str, float]]) -> None:
+                 evaluate: Callable[..., dict[str, float]]) -> None:
         self.cfg, self.plugins, self.sink, self.evaluate = cfg, plugins, sink, evaluate
         self.history: list[dict[str, Any]] = []
 
     def __call__(self, step: int, metrics: dict[str, Any]) -> None:
+        metrics = namespaced(metrics)
         self.plugins.hook.molt_on_step_end(step=step, metrics=metrics)
         self.sink.log(step, metrics)
         self.history.append(metrics)
 
     def held_out(self, step: int) -> None:    # its own row: the weights after `step` updates
         if eval_due(self.cfg, step):
-            row = self.evaluate()
+            row = self.evaluate(progress=self.sink.note)
             self.sink.log(step, row)
             self.history.append({"step": step, **row})
 

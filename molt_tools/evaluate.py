@@ -44,9 +44,10 @@ def model_dir(path: str, scratch: Path) -> Path:
 
 
 def evaluate(model: str | Path, recipe: Any, overrides: Any = (), *, plugins: list[str] = (),
-             blocked: list[str] = ()) -> dict[str, float]:
+             blocked: list[str] = (), progress: Any = lambda line: None) -> dict[str, float]:
     """`molt_core.evaluate`: the recipe's held-out metrics (`eval/...`) of `model` (an HF or PEFT
-    directory, a Molt checkpoint or run directory); recipe and overrides as `molt_core.train`'s."""
+    directory, a Molt checkpoint or run directory); recipe and overrides as `molt_core.train`'s.
+    `progress` gets "eval: 12/64 rollouts" as each group finishes."""
     from transformers import AutoConfig, AutoTokenizer
 
     from molt_core.api import recipe_args
@@ -61,15 +62,22 @@ def evaluate(model: str | Path, recipe: Any, overrides: Any = (), *, plugins: li
         tok = AutoTokenizer.from_pretrained(path)
         vocab = AutoConfig.from_pretrained(path).get_text_config().vocab_size
         with cluster.start(cfg, plugs, trainer=False) as (_, engines):
-            return held_out(cfg, plugs, engines, tok, vocab)
+            return held_out(cfg, plugs, engines, tok, vocab, progress)
 
 
 def main(args: Any) -> int:
     try:
         metrics = evaluate(args.model, args.recipe, args.overrides, plugins=args.plugin,
-                           blocked=args.blocked)
+                           blocked=args.blocked, progress=_progress)
     except (FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    _progress("\n")
     print(json.dumps({"model": args.model, "recipe": args.recipe, **metrics}, indent=1))
     return 0
+
+
+def _progress(line: str) -> None:
+    """On a terminal, one line rewritten in place (stderr: stdout is the JSON result)."""
+    if sys.stderr.isatty():
+        print(line if line == "\n" else f"\r{line}", end="", file=sys.stderr, flush=True)

@@ -15,17 +15,19 @@ from typing import Any
 
 import yaml
 
+from molt_core.run.metrics import namespaced
+
 __all__ = ["PLOTS", "STACK", "add_args", "ema", "main", "read_metrics", "write_report"]
 
 # plot -> (title, y label, metric keys; "eval/*" takes every key with that prefix)
 PLOTS: dict[str, tuple[str, str, list[str]]] = {
     "reward": ("Reward", "reward", ["reward/mean", "reward/max", "reward/min"]),
     "eval": ("Evaluation", "score", ["eval/*"]),
-    "loss": ("Loss", "loss", ["loss"]),
-    "grad_norm": ("Gradient norm (before clipping)", "L2 norm", ["grad_norm"]),
-    "policy_kl": ("Policy KL to the reference", "nats / token", ["kl"]),
-    "entropy": ("Policy entropy", "nats / token", ["entropy"]),
-    "clip_fraction": ("Clip fraction", "fraction of tokens", ["clip_fraction"]),
+    "loss": ("Loss", "loss", ["train/loss"]),
+    "grad_norm": ("Gradient norm (before clipping)", "L2 norm", ["train/grad_norm"]),
+    "policy_kl": ("Policy KL to the reference", "nats / token", ["policy/kl_ref"]),
+    "entropy": ("Policy entropy", "nats / token", ["train/entropy"]),
+    "clip_fraction": ("Clip fraction", "fraction of tokens", ["policy/clip_fraction"]),
     "mismatch": ("Engine vs trainer mismatch", "log-prob gap", ["mismatch/kl", "mismatch/max_abs"]),
     "staleness": ("Staleness", "weight versions behind",
                   ["rollout/version_lag_mean", "rollout/version_lag_max"]),
@@ -46,7 +48,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     with open(Path(run_dir) / "metrics.jsonl") as f:
         for line in f:
             if line.strip():
-                row = json.loads(line)
+                row = namespaced(json.loads(line))     # a run dir from before the rename
                 rows.setdefault(row["step"], {}).update(row)
     t0 = min((r["time"] for r in rows.values() if "time" in r), default=0.0)
     for row in rows.values():
@@ -82,7 +84,7 @@ def _points(rows: list[dict], key: str, x: str) -> list[tuple[float, float]]:
 
 
 def _kl_off(run_dirs: list[Path]) -> bool:
-    """Every run has `algorithm.terms.kl_coef` 0: its `kl` is not a policy KL worth a plot."""
+    """Every run has `algorithm.terms.kl_coef` 0: its `policy/kl_ref` is no KL worth a plot."""
     def coef(d: Path) -> float:
         try:
             cfg = yaml.safe_load((d / "config.yaml").read_text()) or {}

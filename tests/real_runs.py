@@ -39,10 +39,11 @@ def rows(run: Path) -> list[dict]:
 
 
 def history(run: Path) -> dict[str, list[tuple[int, float]]]:
-    """What a sink should hold: key -> [(step, value)] of every number in metrics.jsonl."""
+    """What a sink should hold: key -> [(step, value)] of every namespaced number in
+    metrics.jsonl (not the wall-clock `time`, nor the old flat names kept as aliases)."""
     out: dict[str, list[tuple[int, float]]] = {}
     for row in rows(run):
         for k, v in row.items():
-            if k not in ("step", "time") and isinstance(v, (int, float)):
+            if "/" in k and isinstance(v, (int, float)):
                 out.setdefault(k, []).append((row["step"], v))
     return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -57,17 +57,24 @@ def eval_agent(cfg: Config, plugins: Any, tokenizer: Any) -> Any:
 
 
 def evaluate(cfg: Config, plugins: Any, engines: list[Any], tokenizer: Any,
-             vocab_size: int) -> dict[str, float]:
-    """Run the held-out prompts on the engines' current weights; returns `eval/*` metrics."""
+             vocab_size: int, progress: Callable[[str], None] = lambda line: None
+             ) -> dict[str, float]:
+    """The held-out prompts on the engines' weights: `eval/*`; `progress`: "eval: 3/64 rollouts"."""
     t0 = time.perf_counter()
     e, agent = cfg.eval, eval_agent(cfg, plugins, tokenizer)
     out: dict[str, float] = {}
+    done, total = [0], e.prompts * (1 + max(e.k, 0))
+
+    def group_done(trajs: list) -> None:
+        done[0] += len(trajs)
+        progress(f"eval: {done[0]}/{total} rollouts")
     for name, knobs, k in (("greedy", GREEDY, 1), ("sampled", {}, e.k)):
         if k < 1:
             continue
         c = copy.deepcopy(cfg)
         c.rollout.group_size, c.sampling = k, dataclasses.replace(cfg.sampling, **knobs)
         gen = Generator(agent, engines, c, tokenizer, vocab_size, lambda g: EVAL_TASKS + g, True)
+        gen.on_group_done = group_done
         try:
             groups = gen.generate(e.prompts)
         finally:

@@ -72,6 +72,7 @@ class Generator:
         self._failed_in_a_row = 0
         self._changed: asyncio.Event | None = None
         self._revive: Callable[[dict[int, str]], None] | None = None   # see on_engine_death
+        self.on_group_done: Callable[[list[Trajectory]], None] | None = None   # eval's progress
         self._batch, self._avail, self._lag = 0, 0, 0   # deterministic pool (advance)
         self._running: asyncio.Task | None = None        # its batch being generated
         self._split, self._live, self._parked = False, 0, 0   # partial: rollouts running, parked
@@ -302,6 +303,8 @@ class Generator:
         if len(trajs) < n:                   # failed rollouts are dropped alone
             self.counters["rollout/smaller_groups"] += 1
         self.counters["rollout/finished_groups"] += 1
+        if self.on_group_done is not None:
+            self.on_group_done(trajs)
         return trajs
 
     async def run_one(self, group_id: int, rollout_id: int) -> Trajectory | None:

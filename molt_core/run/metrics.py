@@ -16,7 +16,22 @@ import structlog
 import yaml
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-__all__ = ["MetricsSink", "RunDirError", "configure_logging", "make_run_dir", "resume_hint"]
+__all__ = ["RENAMED", "MetricsSink", "RunDirError", "configure_logging", "make_run_dir",
+           "namespaced", "resume_hint"]
+
+# old flat name -> namespaced (docs/observability.md); a plugin's other flat `x`: `train/x`
+RENAMED = {"loss": "train/loss", "grad_norm": "train/grad_norm", "entropy": "train/entropy",
+           "kl": "policy/kl_ref", "clip_fraction": "policy/clip_fraction", "ratio": "policy/ratio",
+           "seq_ratio": "policy/seq_ratio", "version": "policy/version",
+           "elapsed_s": "time/elapsed_s", "is_weight": "mismatch/is_weight",
+           "is_filtered_fraction": "mismatch/is_filtered_fraction",
+           "is_truncated_fraction": "mismatch/is_truncated_fraction"}
+
+
+def namespaced(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Every key namespaced, plus the old flat ones as aliases for one release (not for sinks)."""
+    flat = {k: v for k, v in metrics.items() if "/" not in k and k not in ("step", "time")}
+    return {**metrics, **{RENAMED.get(k, f"train/{k}"): v for k, v in flat.items()}}
 
 
 class _Stderr:
@@ -83,8 +98,8 @@ class MetricsSink:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         now = time.time()
-        row = {"step": step, "time": now, "elapsed_s": now - self.t0,
-               **{k: _plain(v) for k, v in metrics.items()}}
+        row = {"step": step, "time": now, **namespaced(
+            {"elapsed_s": now - self.t0, **{k: _plain(v) for k, v in metrics.items()}})}
         if self.file:
             end = os.fstat(self.file.fileno()).st_size
             try:
@@ -98,10 +113,9 @@ class MetricsSink:
                     os.truncate(path, end)
                 raise RunDirError(f"cannot append step {step} to {path}: {e}. Free space or fix "
                                   f"the run directory, {resume_hint(Path(path).parent)}") from e
-        # not the wall-clock `time`: each sink stamps its own, and MLflow's file store cannot hold
-        # a metric `time` beside the `time/*` ones
-        numbers = {k: v for k, v in row.items()
-                   if isinstance(v, (int, float)) and k not in ("step", "time")}
+        # namespaced only: not the aliases nor the wall-clock `time` (each sink stamps its own,
+        # and MLflow's file store cannot hold a metric `time` beside the `time/*` ones)
+        numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and "/" in k}
         for sink in self.sinks:
             sink.log(step, numbers)
         if "reward/mean" not in row:          # a held-out evaluation row (molt_core.rollout.eval)
@@ -115,6 +129,10 @@ class MetricsSink:
         else:
             structlog.get_logger("molt").info("step", step=f"{step + 1}/{self.total}",
                                               reward=round(reward, 4), step_s=round(step_s, 3))
+
+    def note(self, line: str) -> None:
+        """Progress between steps on the bar (`eval: 12/64 rollouts`)."""
+        self.progress.update(self.task, info=line)
 
     def close(self) -> None:
         self.progress.stop()

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from molt_tools.tiny import CHARSET, build_tiny_model
-from real_runs import molt, real_run
+from molt_core.run.metrics import RENAMED
+from real_runs import molt, real_run, rows
 
 ENV = {"WANDB_PROJECT": "from-env", "WANDB_SILENT": "true", "MLFLOW_EXPERIMENT_NAME": "env-exp"}
 
@@ -22,4 +23,9 @@ def sink_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
                    env=ENV)
     resumed = molt("run", "--resume", str(run), "trainer.steps=5", "--no-progress", env=ENV)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for row in rows(run):           # the namespaced names, the old flat ones kept as aliases
+        if "reward/mean" in row:
+            assert {"train/loss", "train/grad_norm", "train/entropy", "policy/version",
+                    "time/elapsed_s", "loss", "grad_norm", "entropy", "version"} <= row.keys()
+            assert all(row[old] == row[RENAMED[old]] for old in row.keys() & RENAMED.keys())
     return run

@@ -22,6 +22,7 @@ def test_a_real_run_and_its_resume_land_in_one_mlflow_run(sink_run, monkeypatch)
     assert exp.name == "env-exp"                              # $MLFLOW_EXPERIMENT_NAME
     assert [r.info.run_id for r in client.search_runs([exp.experiment_id])] == [run_id]
     expected = history(sink_run)
+    assert set(run.data.metrics) == set(expected)           # namespaced names only
     assert [s for s, _ in expected["reward/mean"]] == list(range(5))
     for key, want in expected.items():
         got = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
