@@ -3,22 +3,10 @@
 Each rank's `push_weights` gathers full tensors (a collective, so all ranks must take part); rank 0
 cuts them into buckets of `trainer.weight_sync_bucket_mb` and sends each to every engine, then
 asks each engine to check that every one of its parameters was assigned (`finish_weight_update`).
-
-Transports (`trainer.weight_sync_transport`):
-- `ray`: each bucket travels as a Ray object (`update_weights(named_tensors, version)`).
-- `broadcast`: a standalone process group (`WeightGroup`: gloo on CPU, NCCL on GPU) of trainer
-  rank 0 (group rank 0, the source) and every engine worker, built directly from a TCPStore so the
-  trainer's default (FSDP) group is untouched. Per bucket the metadata (name, dtype, shape, byte
-  offset) goes by Ray (`receive_weights(metas, version)`) and the bytes as one packed buffer by
-  broadcast. Every collective has a timeout; a dead peer fails the push within it.
-- `shm` (every engine on trainer rank 0's node): two shared-memory files that rank 0 fills in
-  turn while the engines copy the other one into their weights (`receive_shm(path, nbytes,
-  metas, version)`), so packing bucket k+1 overlaps loading bucket k; both sides map each file
-  once, and it is unlinked after its first push (nothing is left behind in /dev/shm).
-
-Checksums: the sender sums each tensor's bytes as it sends them (`checksums`); an engine that
-returns the same sums of what it received or loaded from `finish_weight_update` is checked
-against them, and a parameter whose bytes differ is a `WeightMismatchError`.
+Transports (`ray`: Ray objects, or the tensors themselves to embedded engines; `broadcast`: a
+standalone gloo/NCCL group `WeightGroup` of rank 0 and every engine worker, from its own
+TCPStore; `shm`: two shared-memory files filled and loaded in turn) and checksums (a parameter
+whose bytes differ is a `WeightMismatchError`): docs/scaling.md, "Weight sync".
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ def _kill_engine(when: str, step: int) -> None:
     if os.environ.get("MOLT_TEST_KILL_ENGINE") == f"{when}:{step}":
         import ray
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-        engine = ray.get_actor(f"molt-engine-0-{os.getpid()}")
+        from molt_core.run.cluster import engine_name
+        engine = ray.get_actor(engine_name(0))
         os.kill(ray.get(engine.__ray_call__.remote(_pid), timeout=60), signal.SIGKILL)
 
 

