@@ -5,15 +5,10 @@ A MoE block here is any module with a `gate` router (`top_k`, `num_experts`, `we
 hidden [N, H] to (router_logits, top-k weights, top-k expert ids [N, k]). Layers are numbered by
 their order among the model's MoE blocks (dense layers are skipped).
 
-`routing(model, replay, mode)` patches the gates' `forward` on the instances (undone on exit)
-  so the router runs in fp32 and, where `replay` holds ids (>= 0; -1 routes normally), those
-  experts are used instead of its own top-k, weighted by the current router probabilities at
-  those ids, so the router still gets gradients. The ids the last forward used stay in `.used`
-  (one [N, k] per layer; the engine records routing from them with mode "off"); `.aux_loss(mask)`
-  is the load-balancing loss over that routing.
-
-`keep_router_fp32(model)`: router weights stay fp32 parameters whatever the model dtype (their
-  small logit differences decide the top-k; bf16 flips choices and loses small updates).
+`routing(model, replay, mode)` patches the gates' `forward` on the instances (undone on exit):
+replayed experts are weighted by the current router probabilities at those ids, so the router
+still gets gradients; `.used` keeps the ids the last forward used (the engine records routing
+from them), `.aux_loss(mask)` is the load-balancing loss over that routing.
 """
 
 from __future__ import annotations
@@ -53,6 +48,8 @@ def config_moe_layers(config: Any) -> list[int]:
 
 
 def keep_router_fp32(model: torch.nn.Module) -> None:
+    """Router weights stay fp32 whatever the model dtype (their small logit differences decide
+    the top-k; bf16 flips choices and loses small updates)."""
     for gate in moe_gates(model):
         gate.float()
 

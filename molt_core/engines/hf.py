@@ -7,16 +7,8 @@ them, then decodes step by step on the event-loop thread, so `pause`/`update_wei
 between two steps. After a weight update the wave is re-prefilled (prompt + tokens so far), so
 each token's log-prob is exactly that of the weights that sampled it.
 
-VL models (`molt_core.multimodal`): a request may carry images; the prefill feeds their patches
-with explicit mRoPE position ids, decode steps continue from the last position. Vision special
-tokens are masked from sampling (the trainer masks them identically).
-
-MoE models (routing replay, R3): every forward runs the routers in fp32 (`molt_core.moe`) and each
-completion carries `routed_experts`, the top-k experts every generated token was routed to when it
-was fed to the model (the last token is never fed: sentinel -1 row), and `prompt_routed_experts`,
-the same for every prompt token (so the trainer replays routing at every position, context
-included). A re-prefill after a weight update overwrites both with the routing the new KV cache
-was built from.
+VL models (images with explicit mRoPE positions) and MoE routing replay: docs/scaling.md,
+"The hf engine".
 """
 
 from __future__ import annotations
