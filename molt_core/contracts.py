@@ -35,8 +35,9 @@ class RolloutContext:
 
 @runtime_checkable
 class Engine(Protocol):
-    """A rollout engine (`molt_engines`). The core runs it as a Ray actor (`ray.remote(cls)`) and
-    calls every method by `.remote()`; a failed call raises, a dead actor is replaced. Optional:
+    """A rollout engine (`molt_engines`). The core runs it as a Ray actor (`ray.remote(cls)`), or
+    embedded as an `actors.LocalActor`, and calls every method by `.remote()`; a failed call
+    raises, a dead actor is replaced. Optional:
     `async rng_state()` / `set_rng_state(state)`, the sampling RNG kept in checkpoints."""
 
     def __init__(self, model_path: str, *, dtype: str, max_batch_size: int, seed: int,

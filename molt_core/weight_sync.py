@@ -90,7 +90,8 @@ def send(named: Iterable[tuple[str, torch.Tensor]], engines: list, version: int,
                                    for e in engines]
             return
         if group is None:
-            ref = actors.put(bucket, engines)   # ray.put copies; embedded: the engine does
+            # ray.put copies; an embedded engine copies the tensors themselves
+            ref = bucket if actors.is_local(engines) else ray.put(bucket)
             _wait([e.update_weights.remote(ref, version) for e in engines], engines, timeout_s,
                   f"update_weights ({what})")
             return

@@ -15,7 +15,7 @@ import threading
 import types
 from typing import Any, Callable
 
-__all__ = ["LocalActor", "LocalRef", "get", "is_local", "kill", "put", "wait"]
+__all__ = ["LocalActor", "LocalRef", "get", "is_local", "wait"]
 
 
 class LocalRef:
@@ -78,39 +78,22 @@ def is_local(handles: list) -> bool:
 def get(refs: Any, timeout: float | None = None) -> Any:
     """`ray.get` of Ray refs or `LocalRef`s (a list: one deadline for all)."""
     many = isinstance(refs, list)
-    if many and not refs:
-        return []
-    if not isinstance(refs[0] if many else refs, LocalRef):
+    listed = refs if many else [refs]
+    if listed and not isinstance(listed[0], LocalRef):
         import ray
         return ray.get(refs, timeout=timeout)
-    done, pending = wait(refs if many else [refs], len(refs) if many else 1, timeout)
+    done, pending = wait(listed, len(listed), timeout)
     if pending:
         raise TimeoutError(f"{len(pending)} local actor call(s) did not finish within {timeout}s")
-    out = [r.future.result() for r in done]
-    return out if many else out[0]
+    return [r.future.result() for r in done] if many else done[0].future.result()
 
 
 def wait(refs: list, num_returns: int = 1, timeout: float | None = None) -> tuple[list, list]:
     """`ray.wait` (`num_returns`: 1 or all): (those done, in `refs`' order; the others)."""
-    if not refs:
-        return [], []
-    if not isinstance(refs[0], LocalRef):
+    if refs and not isinstance(refs[0], LocalRef):
         import ray
         return ray.wait(refs, num_returns=num_returns, timeout=timeout)
     done, _ = cf.wait([r.future for r in refs], timeout,
                       cf.ALL_COMPLETED if num_returns >= len(refs) else cf.FIRST_COMPLETED)
     ready = [r for r in refs if r.future in done][:num_returns]
     return ready, [r for r in refs if r not in ready]
-
-
-def put(value: Any, handles: list) -> Any:
-    """`ray.put` for Ray actors `handles`; for local ones the value itself (one address space)."""
-    import ray
-    return value if is_local(handles) else ray.put(value)
-
-
-def kill(handle: Any) -> None:
-    if isinstance(handle, LocalActor):
-        return handle.kill()
-    import ray
-    ray.kill(handle)

@@ -79,9 +79,8 @@ def embedded(cfg: Config, trainer: bool, cuda: bool) -> bool:
     if cfg.ray.embedded != "auto":
         return cfg.ray.embedded == "on"
     t, e = cfg.trainer, cfg.engine
-    ranks_ok = not trainer or (t.in_driver and t.num_ranks == 1 and t.gpus_per_rank <= 0
-                               and t.backend == "fsdp2"
-                               and not t.cpus_per_rank and not t.resources)
+    ranks_ok = not trainer or (t.in_driver and t.num_ranks == 1 and t.backend == "fsdp2"
+                               and t.gpus_per_rank <= 0 and not (t.cpus_per_rank or t.resources))
     return (ranks_ok and not cfg.ray.address and not cuda and e.name == "hf"
             and e.num_engines == 1 and e.gpus_per_engine <= 0 and not e.cpus_per_engine
             and not e.resources)
@@ -307,6 +306,6 @@ def start(cfg: Config, plugins: Any, trainer: bool = True) -> Iterator[tuple[Any
         if policy is not None:
             policy.shutdown()
         for e in engines:
-            actors.kill(e)
+            e.kill() if isinstance(e, actors.LocalActor) else ray.kill(e)
         if started:
             _shutdown()
