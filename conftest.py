@@ -1,6 +1,7 @@
 """Test fixture at the root (test code, beside the RL path): one real run for every shipped
-sink's test, the toy recipe logging to all three sinks for 3 steps, then `molt run --resume` to 5 (W&B project and MLflow experiment from their environment
-variables; the recipe sets neither)."""
+sink's test, the toy recipe logging to all three sinks for 3 steps, then `molt run --resume`
+to 5 (W&B project and MLflow experiment from their environment variables; the recipe sets
+neither)."""
 
 from __future__ import annotations
 
