@@ -62,6 +62,7 @@ class _Prep:
     mode: str                       # extend | segment | resample
     ids: list[int]
     images: list[ImageInput]
+    role: str = ""                  # metadata.molt_segment: a new role starts a new segment
 
 
 @dataclass
@@ -93,6 +94,7 @@ class ChatSession:
     _seg_start: int = 0
     _messages: list[dict] | None = None   # previous request's messages (normalized)
     _tools: list[dict] | None = None
+    _roles: list[str] = field(default_factory=lambda: [""])   # per segment (molt_segment)
     _last: _Last | None = None
     _cache: dict[str, dict] = field(default_factory=dict)
     _raw_args: dict[str, str] = field(default_factory=dict)  # tool call id -> arguments as sampled
@@ -116,13 +118,13 @@ class ChatSession:
         return self.tokenizer.decode(ids, skip_special_tokens=False,
                                      clean_up_tokenization_spaces=False)
 
-    def prepare(self, messages: list[dict], tools: list[dict] | None) -> _Prep:
+    def prepare(self, messages: list[dict], tools: list[dict] | None, role: str = "") -> _Prep:
         """Render and tokenize what the trajectory lacks; pure, so it may run in a thread."""
         rendered = self.render(messages, tools)
-        prev = self._messages
-        if self._last is not None and messages == prev and tools == self._tools:
-            return _Prep(rendered, messages, tools, "resample", [], [])
-        extend = (prev is not None and tools == self._tools and len(messages) > len(prev)
+        prev, same = self._messages, tools == self._tools and role == self._roles[-1]
+        if self._last is not None and messages == prev and same:
+            return _Prep(rendered, messages, tools, "resample", [], [], role)
+        extend = (prev is not None and same and len(messages) > len(prev)
                   and messages[:len(prev)] == prev and rendered.startswith(self._covered)
                   and len(rendered) > len(self._covered))
         text = rendered[len(self._covered):] if extend else rendered
@@ -137,8 +139,8 @@ class ChatSession:
                                    "context_length_exceeded")
         if extend:
             ids, images = self._encode(text, messages[len(prev):])
-            return _Prep(rendered, messages, tools, "extend", ids, images)
-        return _Prep(rendered, messages, tools, "segment", *self._encode(rendered, messages))
+            return _Prep(rendered, messages, tools, "extend", ids, images, role)
+        return _Prep(rendered, messages, tools, "segment", *self._encode(rendered, messages), role)
 
     def overflowed(self) -> None:
         self.trajectory.truncated = True
@@ -191,8 +193,9 @@ class ChatSession:
                                     f"is {self.max_context} tokens (max_position_embeddings), "
                                     "which must leave room for a reply: shorten the conversation",
                                "context_length_exceeded")
-        if prep.mode == "segment" and len(traj):
-            traj.segments.append(seg_start)
+        if prep.mode == "segment":
+            traj.segments += [seg_start] if len(traj) else []
+            self._roles[len(traj.segments) - 1:] = [prep.role]
         self._seg_start = seg_start
         traj.add_prompt(prep.ids, prep.images)
         self._covered, self._messages, self._tools = prep.rendered, prep.messages, prep.tools
@@ -341,6 +344,8 @@ class ChatServer:
         traj = session.trajectory
         traj.info["chat_requests"] = session.requests
         traj.info["chat_generations"] = session.generations
+        if any(session._roles):         # the links between segments (docs/agents.md, Compaction)
+            traj.info["segment_roles"] = session._roles
         return traj
 
     def _session(self, sid: str, headers: Any) -> ChatSession:
@@ -372,9 +377,13 @@ class ChatServer:
             parse = {"openai": api_.openai_messages, "responses": api_.responses_messages}.get(api)
             messages, tools = parse(body) if parse else api_.anthropic_messages(body, s._raw_args)
             stop = api_.stop_strings(body, "stop_sequences" if api == "anthropic" else "stop")
+            meta = body.get("metadata") or {}
+            role = meta.get("molt_segment", "") if isinstance(meta, dict) else None
+            if not isinstance(role, str):
+                raise RequestError(400, "'metadata' must be an object, its molt_segment a string")
             try:
-                prep = (await asyncio.to_thread(s.prepare, messages, tools) if big
-                        else s.prepare(messages, tools))
+                prep = (await asyncio.to_thread(s.prepare, messages, tools, role) if big
+                        else s.prepare(messages, tools, role))
             except RequestError as e:
                 if e.code == "context_length_exceeded":
                     s.overflowed()

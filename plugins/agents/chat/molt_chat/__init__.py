@@ -14,8 +14,9 @@ from molt_core.config import Config, ConfigError
 from molt_core.contracts import RolloutContext
 from molt_core.multimodal import require_chat_template
 from molt_core.trajectory import Trajectory
+from molt_chat.compaction import Compactor
 
-__all__ = ["ChatAgent", "ChatContext", "ChatRunner"]
+__all__ = ["ChatAgent", "ChatContext", "ChatRunner", "Compactor"]
 
 
 @dataclass
