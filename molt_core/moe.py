@@ -1,15 +1,5 @@
-"""Mixture-of-experts routing: record it in the engine, replay it in the trainer (R3).
-
-A MoE block here is any module with a `gate` router (`top_k`, `num_experts`, `weight`) and an
-`experts` module, as Qwen3-MoE's `Qwen3MoeSparseMoeBlock` in transformers 5.x: the gate maps
-hidden [N, H] to (router_logits, top-k weights, top-k expert ids [N, k]). Layers are numbered by
-their order among the model's MoE blocks (dense layers are skipped).
-
-`routing(model, replay, mode)` patches the gates' `forward` on the instances (undone on exit):
-replayed experts are weighted by the current router probabilities at those ids, so the router
-still gets gradients; `.used` keeps the ids the last forward used (the engine records routing
-from them), `.aux_loss(mask)` is the load-balancing loss over that routing.
-"""
+"""Mixture-of-experts routing: record it in the engine, replay it in the trainer (R3). What a MoE
+block is here and how `routing` patches its gate: docs/scaling.md, "MoE policies"."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Multimodal (Qwen3-VL) policies: images ride with the trajectory as image-processor patches.
-
-A prompt holds each image as a run of placeholder tokens (`<|image_pad|>` x n), the image beside
-them as an `ImageInput`. Engine and trainer feed the same patches and the same explicit mRoPE
-position ids (`model_inputs`, the model's own `get_rope_index`; HF's cached `rope_deltas` are never
-used, so a decode step is the last position + 1), and both mask vision special tokens from
-sampling (`vision_token_ids`): the same distribution, and placeholders only ever from prompts.
-"""
+"""Multimodal (Qwen3-VL) policies: a prompt holds each image as a run of placeholder tokens
+(`<|image_pad|>` x n), the image beside them as an `ImageInput` of image-processor patches. Engine
+and trainer feed the same patches and explicit mRoPE position ids (`model_inputs`; HF's cached
+`rope_deltas` never), and mask vision tokens from sampling alike (`vision_token_ids`)."""
 
 from __future__ import annotations
 

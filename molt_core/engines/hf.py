@@ -1,15 +1,7 @@
-"""Embedded rollout engine: an HF causal LM and our own batched KV-cache decode loop.
-
-Our own loop (not `model.generate`) so that decoding can pause between steps, weights can be
-swapped under in-flight requests, and every token is stamped with the weight version that sampled
-it. A background task takes a wave of requests with identical sampling, left-pads and prefills
-them, then decodes step by step on the event-loop thread, so `pause`/`update_weights` land
-between two steps. After a weight update the wave is re-prefilled (prompt + tokens so far), so
-each token's log-prob is exactly that of the weights that sampled it.
-
-VL models (images with explicit mRoPE positions) and MoE routing replay: docs/scaling.md,
-"The hf engine".
-"""
+"""Embedded rollout engine: an HF causal LM and Molt's own batched KV-cache decode loop (why,
+re-prefill after a weight update, VL and MoE: docs/scaling.md, "The hf engine"). A background
+task decodes waves of requests with identical sampling on the event-loop thread, so `pause` and
+`update_weights` land between two decode steps."""
 
 from __future__ import annotations
 

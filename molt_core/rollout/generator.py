@@ -1,11 +1,6 @@
-"""Runs agents against the rollout engines and emits complete prompt groups.
-
-Every rollout of every group runs concurrently on the generator's asyncio loop (a background
-thread), in token space: agents build `Trajectory`s from the engines' `Completion`s. `generate(n)`
-runs n fresh groups and waits for them (the sync scheme); the streaming pool (`start_pool(k)`,
-`take(n)`) keeps up to k groups running or finished-and-waiting and starts new ones in place of
-those taken, so the engines never drain between training steps (the async and partial schemes).
-"""
+"""Runs agents against the rollout engines, all rollouts at once on an asyncio loop of its own
+(a thread), and emits complete prompt groups: `generate(n)` n fresh ones (sync scheme), or the
+streaming pool (`start_pool(k)`, `take(n)`), which keeps k running or waiting (async, partial)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""Persistence: sharded checkpoints (DCP), lossless resume, plain HF export.
-
-A checkpoint is `RUN_DIR/checkpoints/step_NNNNNN/` (NNNNNN = optimizer steps done):
-  policy/          DCP, each trainer rank writes its own shards (`PolicyWorker.save_checkpoint`):
-                   model, AdamW (step, moments, LR), critic when there is one
-  rng_rank{r}.pt   torch/python/numpy RNG of trainer rank r
-  driver.pt        step, weight version, driver and engine RNG, the generator's task cursor and
-                   pool (finished groups; in-flight group ids, re-issued on resume with the same
-                   task ids), rollout-scheme and plugin state (`molt_state_dict`), metrics position
-  meta.json        step, version, model path and dtype (what `export` needs)
-It is written to a `.tmp-` sibling and renamed, so a directory named `step_*` is complete. The
-reference policy (KL) is not saved: it is `model.path`, which resume requires unchanged.
-"""
+"""Persistence: sharded checkpoints (DCP), lossless resume, plain HF export. A checkpoint is
+`RUN_DIR/checkpoints/step_NNNNNN/` (NNNNNN = optimizer steps done), written to a `.tmp-` sibling
+and renamed; its files: docs/checkpoints.md, "What a checkpoint holds"."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Saved trajectories: `RUN_DIR/trajectories/step_NNNNNN.parquet` holds the steps saved within
-`FLUSH_S` seconds from step NNNNNN on, one `SCHEMA` row per rollout (per-token lists align with
-`token_ids`; trainer_logprobs: the pre-update log-probs it trained with, empty when not recorded;
-an image's `ref`: `images/<ref>.safetensors` holds its pixel values). Open with pandas/pyarrow
-directly, or `molt_tools.view.read_trajectories`.
-"""
+"""Saved trajectories: `RUN_DIR/trajectories/step_NNNNNN.parquet`, the steps saved within `FLUSH_S`
+seconds from step NNNNNN on, one `SCHEMA` row per rollout (docs/observability.md, "Trajectories";
+trainer_logprobs: empty when not recorded)."""
 
 from __future__ import annotations
 

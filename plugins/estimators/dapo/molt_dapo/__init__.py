@@ -1,14 +1,6 @@
 """DAPO (Yu et al., 2025): clip-higher, dynamic sampling, overlong reward shaping, token-mean
-(docs/algorithms.md). Estimator `dapo`: GRPO's; loss `dapo`: PPO-clip, eps_low 0.2 / eps_high 0.28.
-
-Both batch-filter steps run in `molt_filter_batch` because only trajectories know lengths
-(estimators receive rewards only): overlong shaping first (`dapo.overlong_buffer` = Lcache > 0),
-r += factor * r_len with L the rollout's longest engine response (`response_length`): r_len = 0
-if L <= Lmax - Lcache, (Lmax - Lcache - L) / Lcache inside the buffer, -1 beyond Lmax; then
-dynamic sampling (on with estimator `dapo`): a group whose rewards are all equal has no gradient
-and is replaced by groups from `refill`. Options: the `dapo:` section (`DapoConfig`); counters:
-`dapo/*`.
-"""
+(formulas: docs/algorithms.md, "DAPO"). Overlong shaping, then dynamic sampling, run in
+`molt_filter_batch`: only trajectories know lengths (estimators receive rewards only)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""Asynchronous rollout: generation continues while the trainer trains (docs/plugins.md).
-
-`next_batch` takes finished groups from the generator's streaming pool within
-`rollout.max_staleness`; weights are pushed at a request boundary, so one response never mixes
-versions (`molt-rollout-partial` switches inside one). Unset, the staleness bound is the pool's
-depth in batches, ceil(pool / groups_per_step): a group waits at most that many steps in the
-normal flow, so only the long tail is dropped; 0 is rejected (every pooled group would be).
-With `rollout.deterministic`, batch i is sampled by exactly version max(0, i - max_staleness)
-(`Generator.start_chain`): a push waits for the batch in flight, so timing decides nothing.
-"""
+"""Asynchronous rollout: groups from the generator's streaming pool within `rollout.max_staleness`
+while the trainer trains; weights are pushed at a request boundary, so a response never mixes
+versions (docs/scaling.md, "Rollout schemes and overlap"; `rollout.deterministic` there too)."""
 
 from __future__ import annotations
 

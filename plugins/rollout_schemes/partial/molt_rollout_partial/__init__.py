@@ -1,15 +1,6 @@
-"""Partial rollout: at a weight sync the engines pause their in-flight requests, load the new
-weights and resume them; no request is dropped or restarted.
-
-Like `molt-rollout-async` (streaming pool, staleness bound, correction required), but the push
-does not wait for requests to finish: a response that spans the sync carries both versions, each
-token stamped with the weights that sampled it and its behavior log-prob under those weights (the
-engine recomputes the KV cache of in-flight requests after an update).
-
-With `rollout.deterministic` the split is fixed instead (`Generator.advance`): each engine call of
-batch i samples half its max_new_tokens with version max(0, i - max_staleness) and the rest with
-the next one; the push waits until every rollout of the batch finished or stopped at its split.
-"""
+"""Partial rollout: `molt-rollout-async`, but at a weight sync the engines pause their in-flight
+requests, load the new weights and resume them, so a response may carry two versions, each token
+stamped with its own (docs/scaling.md, "Rollout schemes and overlap"; `rollout.deterministic`)."""
 
 from __future__ import annotations
 
