@@ -1,13 +1,7 @@
 """A step's training rows and their advantages: the seam between estimators and the trainer.
-
-Per-rollout advantages (`hookspecs.molt_estimators`) are broadcast to the rollout's tokens, a
-`per_turn` estimator's [R, K] to each model call's tokens; a per-token estimator gets the critic's
-values [B, T] from before the update, and its `returns` train the critic. Token rewards: a row's
-rollout reward sits at its last trainable token (every segment of a multi-segment rollout ends with
-it, as every estimator broadcasts it to each segment).
-`algorithm.terms.kl_in: reward` subtracts kl_coef * kl_t (behavior vs reference log-probs) from
-the token rewards; a per-rollout estimator sees the rollout's reward minus its summed penalty.
-"""
+Per-rollout advantages are broadcast to the rollout's tokens, a `per_turn` estimator's [R, K] to
+each model call's, a per-token estimator's taken as they are (it gets the critic's values [B, T];
+a row's reward sits at its last trainable token). `kl_in: reward`: docs/algorithms.md."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Shared pieces of every estimator and loss: masked statistics, loss aggregation, the clipped
-ratio objective, KL estimators and entropy.
-
-Losses return a per-token loss [B, T]; the trainer aggregates it here with denominators counted
-over the *whole optimizer step* (all micro-batches, all ranks), so gradient accumulation and data
-parallelism never change the objective.
-"""
+"""Shared pieces of every estimator and loss: masked statistics, loss aggregation over the whole
+optimizer step (so gradient accumulation and data parallelism never change the objective), the
+clipped ratio objective, KL estimators, entropy, the value loss and off-policy corrections."""
 
 from __future__ import annotations
 

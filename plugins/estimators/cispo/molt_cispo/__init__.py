@@ -1,12 +1,5 @@
-"""CISPO (MiniMax-M1, 2025): clip the importance-sampling weight, never drop a token's gradient.
-
-J = sum_{i,t} sg(clip(r_{i,t}, 1 - eps_low, 1 + eps_high)) A_{i,t} log pi(y_{i,t}) / sum_i |y_i|
-with r = pi / pi_behavior. Unlike PPO-clip, a token whose ratio left the trust region still
-contributes its REINFORCE gradient (scaled by the clipped weight); only the weight is bounded.
-The paper sets no lower bound (large eps_low: the default 1.0 clips at 0, which a ratio never
-goes below) and tunes eps_high. The 1/sum|y_i| normaliser is `algorithm.loss_agg: token-mean`.
-Pair with group-normalised advantages (`grpo`).
-"""
+"""CISPO (MiniMax-M1, 2025): clip the importance-sampling weight, never drop a token's gradient
+(docs/algorithms.md, "CISPO"). Pair with group-normalised advantages (`grpo`)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training"): GRPO without its biases.
-
-A_i = r_i - mean_g(r) (no std division, which over-weights too easy or too hard prompts), and
-the `ppo_clip` loss with `algorithm.loss_agg: seq-mean-token-sum` (no division by the sequence's
-length, which favours long wrong answers; docs/algorithms.md). `seq-mean-token-mean` would put
-the length bias back and is rejected.
-"""
+"""Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training"): GRPO without its std and
+length biases (docs/algorithms.md, "Dr. GRPO"); `loss_agg: seq-mean-token-mean` is rejected."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization"): sequence-level ratio and clip.
-
-s_i = (pi(y_i|x) / pi_old(y_i|x))^(1/|y_i|) = exp(mean_t (log pi - log pi_old)) is the
-length-normalised (geometric-mean) sequence ratio; the objective is
-J = 1/G sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i), so a whole sequence is
-clipped or not. Written per token in the paper's GSPO-token form,
-s_{i,t} = sg(s_i) * pi(y_t) / sg(pi(y_t)): its value is s_i at every token and its gradient
-s_i * grad log pi(y_t), so with `algorithm.loss_agg: seq-mean-token-mean` the aggregated loss and
-its gradient are exactly GSPO's. The clip range is tiny because s_i is a per-token geometric
-mean (paper: 3e-4 / 4e-4). Pair with group-normalised advantages (`grpo`).
-"""
+"""GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization"): sequence-level ratio and clip,
+in the paper's GSPO-token form (its derivation and why the clip range is tiny: docs/algorithms.md,
+"GSPO"). Pair with group-normalised advantages (`grpo`)."""
 
 from __future__ import annotations
 
@@ -23,8 +15,8 @@ def gspo_loss(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advantage
               mask: torch.Tensor, *, clip_low: float = 3e-4, clip_high: float = 4e-4,
               rollout_index: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token GSPO loss [B, T]: the sequence's clipped objective broadcast to its tokens; a
-    sequence is a rollout, all rows of its `rollout_index` [B, 1] (segments of a chat)."""
+    """Per-token GSPO loss [B, T]: the clipped objective of s_i = exp(mean_t (log pi - log pi_b))
+    broadcast to its tokens; a sequence is a rollout, all rows of its `rollout_index` [B, 1]."""
     m = mask.to(logprobs.dtype)
     log_ratio = (logprobs - behavior_logprobs).detach() * m
     seq_log_ratio = (rollout_sum(log_ratio.sum(-1, keepdim=True), rollout_index)

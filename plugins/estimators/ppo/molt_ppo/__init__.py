@@ -1,13 +1,6 @@
-"""PPO with a learned critic and GAE (Schulman et al., 2017; GAE: Schulman et al., 2016).
-
-A per-token estimator (`needs_values`; docs/algorithms.md): over the trainable tokens of a row
-t_1 < ... < t_n (other positions are not time steps), the reward on the last one,
-  delta_k = r_k + gamma V(s_{k+1}) - V(s_k)          (V(s_{n+1}) = 0: the episode ends)
-  A_k     = delta_k + gamma lam A_{k+1}              (GAE)
-  R_k     = A_k + V(s_k)                             (the critic's regression target)
-then advantages are whitened over the batch's trainable tokens. The policy loss is `ppo_clip`;
-the trainer adds the critic's clipped value loss (`molt_core.algos.value_loss`).
-"""
+"""PPO with a learned critic and GAE (Schulman et al., 2017; GAE: Schulman et al., 2016): a
+per-token estimator (`needs_values`; docs/algorithms.md, "PPO with GAE"); the policy loss is
+`ppo_clip`, the trainer adds the critic's clipped value loss (`molt_core.algos.value_loss`)."""
 
 from __future__ import annotations
 
@@ -20,7 +13,9 @@ __all__ = ["gae", "ppo_advantages"]
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
         lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE over the masked positions of each row; (advantages, returns) [B, T], 0 off the mask."""
+    """GAE over the masked positions t_1 < ... < t_n of each row (others are not time steps):
+    delta_k = r_k + gamma V(s_k+1) - V(s_k) (V(s_n+1) = 0), A_k = delta_k + gamma lam A_k+1,
+    R_k = A_k + V(s_k); (advantages, returns) [B, T], 0 off the mask."""
     m = mask.bool()
     adv = torch.zeros_like(values)
     next_value = torch.zeros(values.shape[0], dtype=values.dtype)

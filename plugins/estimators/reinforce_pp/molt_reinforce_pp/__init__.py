@@ -1,11 +1,5 @@
-"""REINFORCE++ (Hu, 2025): no critic, no group baseline; advantages whitened over the batch.
-
-With one outcome reward per rollout, every token's return is the rollout's reward, so
-whitening the returns over the batch is whitening the rewards over its rollouts (the paper
-whitens over tokens, weighting long responses more; here each rollout counts once).
-`group_baseline=True` is REINFORCE++-baseline: subtract the group mean first, then whiten over
-the batch. Pair it with the `ppo_clip` loss (as the paper does).
-"""
+"""REINFORCE++ (Hu, 2025): no critic, no group baseline; advantages whitened over the batch's
+rollouts, each counted once (why: docs/algorithms.md, "REINFORCE++"). Pair with `ppo_clip`."""
 
 from __future__ import annotations
 
