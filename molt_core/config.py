@@ -32,6 +32,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     path: str = ""                       # local HF directory (config.json + weights + tokenizer)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"   # CPU: float32
+    chat_template: str = ""              # a .jinja file that replaces the tokenizer's template
 
 
 @dataclass

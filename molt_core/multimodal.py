@@ -16,7 +16,7 @@ from molt_core.lazy import torch
 from molt_core.trajectory import ImageInput
 
 __all__ = ["ImageEncoder", "MessageEncoder", "content_text", "decode_data_uri", "decoder_layers",
-           "images_of", "is_vl", "load_model", "model_inputs", "require_chat_template",
+           "images_of", "is_vl", "load_model", "load_tokenizer", "model_inputs", "require_chat_template",
            "unpack_rows", "vision_token_ids"]
 
 VISION_PART = "<|vision_start|><|image_pad|><|vision_end|>"   # one image in rendered text
@@ -83,6 +83,19 @@ def content_text(content: str | list[dict] | None) -> str:
     return "".join(VISION_PART if p.get("type") in ("image", "image_url")
                    else p.get("text", "") for p in content)
 
+
+
+def load_tokenizer(path: str, chat_template: str = "") -> Any:
+    """The checkpoint's tokenizer; `chat_template` (model.chat_template, a .jinja file) replaces
+    its template (e.g. recipes/templates/smollm2_tools.jinja gives SmolLM2 tools)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    if chat_template:
+        if not Path(chat_template).is_file():
+            raise FileNotFoundError(f"model.chat_template '{chat_template}' is not a file: point "
+                                    "it at a .jinja chat template (or leave it empty)")
+        tok.chat_template = Path(chat_template).read_text()
+    return tok
 
 
 def require_chat_template(tokenizer: Any) -> None:

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig
 
+from molt_core import multimodal
 from molt_core.advantage import opt_in, training_batch
 from molt_core.config import Config
 from molt_core.plugins import Plugins
@@ -37,7 +38,7 @@ class ForwardConsistencyError(RuntimeError):
 def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
           progress: bool = True, resume: Path | None = None) -> list[dict[str, Any]]:
     """`cfg.trainer.steps` steps (from checkpoint `resume` on): per-step and eval rows (`_Log`)."""
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    tokenizer = multimodal.load_tokenizer(cfg.model.path, cfg.model.chat_template)
     vocab_size = AutoConfig.from_pretrained(cfg.model.path).get_text_config().vocab_size
     agent = plugins.get("agent", cfg.agent.name)(cfg, tokenizer, plugins, **cfg.agent.args)
     if cfg.eval.every:           # refused before anything starts

@@ -37,14 +37,15 @@ def rollout_args(p: Any) -> None:
 
 
 def _setup(args: Any, suffix: str) -> tuple[Any, Any, Any, int, Path]:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     from molt_core.cli import load
     from molt_core.config import to_dict
+    from molt_core.multimodal import load_tokenizer
     from molt_core.run.metrics import make_run_dir
 
     cfg, plugins = load(args.recipe, args.overrides, args.plugin, args.blocked)
-    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    tok = load_tokenizer(cfg.model.path, cfg.model.chat_template)
     vocab = AutoConfig.from_pretrained(cfg.model.path).get_text_config().vocab_size
     run_dir = make_run_dir(cfg.out_dir, f"{cfg.name}-{suffix}", to_dict(cfg), plugins.info,
                            cfg.seed, ["molt", *args.argv])

@@ -48,10 +48,11 @@ def evaluate(model: str | Path, recipe: Any, overrides: Any = (), *, plugins: li
     """`molt_core.evaluate`: the recipe's held-out metrics (`eval/...`) of `model` (an HF or PEFT
     directory, a Molt checkpoint or run directory); recipe and overrides as `molt_core.train`'s.
     `progress` gets "eval: 12/64 rollouts" as each group finishes."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     from molt_core.api import recipe_args
     from molt_core.cli import load
+    from molt_core.multimodal import load_tokenizer
     from molt_core.rollout.eval import evaluate as held_out
     from molt_core.run import cluster
 
@@ -59,7 +60,7 @@ def evaluate(model: str | Path, recipe: Any, overrides: Any = (), *, plugins: li
         path = model_dir(str(model), Path(scratch))
         recipe, extra = recipe_args(recipe, overrides)
         cfg, plugs = load(recipe, [*extra, f"model.path={path}"], list(plugins), list(blocked))
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = load_tokenizer(path, cfg.model.chat_template)
         vocab = AutoConfig.from_pretrained(path).get_text_config().vocab_size
         with cluster.start(cfg, plugs, trainer=False) as (_, engines):
             return held_out(cfg, plugs, engines, tok, vocab, progress)
