@@ -1,0 +1,79 @@
+"""TRL `environment_factory` classes, unchanged, as chat agent `trl` (docs/adapters/trl.md): as in
+GRPOTrainer, `reset(**row)` extends the prompt, methods are tools, get_reward/reward_funcs score."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from typing import Any
+
+import openai
+from transformers.utils import get_json_schema
+
+from molt_chat import ChatAgent, ChatContext
+from molt_core import hookimpl
+from molt_core.plugins import import_module
+from molt_gym.envs import Dataset, _functions
+
+__all__ = ["TRLEnvironment"]
+
+
+async def _run(fn: Any, **kw: Any) -> Any:      # sync ones in a thread: never block generation
+    return await (fn(**kw) if inspect.iscoroutinefunction(fn) else asyncio.to_thread(fn, **kw))
+
+
+class TRLEnvironment(ChatAgent):
+    """One `environment` (module:Class) instance per rollout; `data`: rows for `reset`."""
+
+    def __init__(self, *, environment: str, data: str | None = None, data_args: dict | None = None,
+                 reward: dict | None = None, max_tool_calling_iterations: int = 10) -> None:
+        self.functions = _functions(tuple((reward or {}).items()))     # {module:function: weight}
+        self.env = getattr(import_module(environment.rpartition(":")[0]),
+                           environment.rpartition(":")[2])()
+        self.tools = {n: getattr(self.env, n) for n, _ in inspect.getmembers(type(self.env),
+                      inspect.isfunction) if n[0] != "_" and n not in ("reset", "get_reward")}
+        self.schemas = [get_json_schema(f) for f in self.tools.values()]   # as TRL renders them
+        if not callable(getattr(self.env, "reset", None)) or not (
+                self.functions or hasattr(self.env, "get_reward")):
+            raise ValueError(f"agent_args.environment '{environment}' needs a reset() method, and "
+                             "a get_reward() method or agent_args.reward")
+        self.data = Dataset(data=data, reward=[], **data_args or {}) if data else None
+        self.max_calls = max_tool_calling_iterations
+
+    async def run(self, ctx: ChatContext) -> float:
+        if self.data:
+            await self.data.reset(ctx.task)         # the task's row; epochs by the run's seed
+        row = dict(self.data.row if self.data else {"prompt": [{"role": "user", "content": ""}]})
+        p = row["prompt"]
+        messages = [{"role": "user", "content": p}] if isinstance(p, str) else [dict(m) for m in p]
+        messages[-1]["content"] += await _run(self.env.reset, **row) or ""
+        start, kw = len(messages), {"tools": self.schemas} if self.schemas else {}
+        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0,
+                                      timeout=600) as client:
+            for turn in range(self.max_calls + 1):
+                msg = (await client.chat.completions.create(model=ctx.model, messages=messages,
+                                                            **kw)).choices[0].message
+                messages.append(msg.model_dump(exclude_none=True))
+                for tc in (msg.tool_calls or []) if turn < self.max_calls else []:
+                    messages.append({"role": "tool", "tool_call_id": tc.id, "name":
+                                     tc.function.name, "content": await self.call(tc.function)})
+                if messages[-1]["role"] != "tool":
+                    break
+        values = [await _run(self.env.get_reward)] if hasattr(self.env, "get_reward") else []
+        for _, fn, weight in self.functions:        # as GRPOTrainer calls its reward_funcs
+            values += [weight * v for v in await _run(fn, completions=[messages[start:]], prompts=[
+                p], environments=[self.env], **{k: [v] for k, v in row.items() if k != "prompt"})
+                if v is not None]
+        return float(sum(values)) if values else float("nan")
+
+    async def call(self, function: Any) -> str:     # the result as text, an error as TRL's
+        try:
+            return str(await _run(self.tools[function.name], **json.loads(function.arguments)))
+        except Exception as e:
+            return str({"error": str(e)})
+
+
+@hookimpl
+def molt_chat_agents() -> dict:
+    return {"trl": TRLEnvironment}
