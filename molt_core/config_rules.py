@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from molt_core.config import Config, ConfigError, LossTermsConfig, SamplingConfig, type_ok
+from molt_core.config import Config, ConfigError, SamplingConfig, type_ok
 
 __all__ = ["model_facts", "validate"]
 
@@ -70,8 +70,7 @@ def validate(cfg: Config) -> None:
                f"{getattr(sec, f.name)})") for where, sec in vars(cfg).items()
               if dataclasses.is_dataclass(sec)
               for f in dataclasses.fields(sec) if f.name.endswith("timeout_s")])
-    _validate_correction(cfg)
-    _validate_terms(cfg.algorithm.terms)
+    _validate_algorithm(cfg)
     _require([(cfg.model.path, "model.path is missing: set it to a local HF model directory "
                                "(make one with `molt tiny-model DIR`)"),
               ((Path(cfg.model.path) / "config.json").is_file(),
@@ -149,9 +148,12 @@ def _validate_parallel(cfg: Config) -> None:
          "engine.speculative or use method ngram")])
 
 
-def _validate_correction(cfg: Config) -> None:
+def _validate_algorithm(cfg: Config) -> None:
     from molt_core.algos import CORRECTIONS
     a, r = cfg.algorithm, cfg.rollout
+    _require([(getattr(a.terms, k) >= 0, f"algorithm.terms.{k} must be >= 0 (got "
+               f"{getattr(a.terms, k)})")
+              for k in ("kl_coef", "entropy_coef", "value_coef", "value_clip", "value_lr")])
     _require([(a.correction in CORRECTIONS, f"algorithm.correction '{a.correction}' unknown; "
                f"valid: {', '.join(CORRECTIONS)}")])
     known = CORRECTIONS[a.correction]
@@ -186,7 +188,3 @@ def _validate_sampling(s: SamplingConfig) -> None:
                    "renormalised over the kept tokens, the hf engine those of the full one")
                 + f") and every ratio and importance weight is biased. Set sampling.{key}={off}")
 
-
-def _validate_terms(t: LossTermsConfig) -> None:
-    _require([(getattr(t, k) >= 0, f"algorithm.terms.{k} must be >= 0 (got {getattr(t, k)})")
-              for k in ("kl_coef", "entropy_coef", "value_coef", "value_clip", "value_lr")])

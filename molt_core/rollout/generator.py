@@ -314,7 +314,9 @@ class Generator:
             rewards = [float(r) for r in (traj.reward, *(traj.turn_rewards or []))]
             if not all(abs(r) <= MAX_ABS_REWARD for r in rewards):
                 kind = AbsurdReward if all(map(math.isfinite, rewards)) else NonFiniteReward
-                raise kind(f"{self._reward_source()} returned reward {traj.reward!r} (turn "
+                a = self.cfg.agent.args
+                inner = "".join(f" {k} '{a[k]}'" for k in ("env", "agent") if k in a)
+                raise kind(f"agent '{self.cfg.agent.name}'{inner} returned reward {traj.reward!r} (turn "
                            f"rewards {traj.turn_rewards}) for task {ctx.task}; rewards must be "
                            f"finite and within ±{MAX_ABS_REWARD:g} (generator.MAX_ABS_REWARD)")
         except (InvariantError, asyncio.CancelledError):
@@ -329,11 +331,6 @@ class Generator:
         traj.group_id, traj.rollout_id = group_id, rollout_id
         traj.check(self._vocab)
         return traj
-
-    def _reward_source(self) -> str:
-        args = self.cfg.agent.args
-        inner = "".join(f" {k} '{args[k]}'" for k in ("env", "agent") if k in args)
-        return f"agent '{self.cfg.agent.name}'{inner}"
 
     def _failed(self, reason: str, group_id: int, rollout_id: int, error: str) -> None:
         """Count a dropped rollout; past `agent.max_failure_rate` the run stops, naming the

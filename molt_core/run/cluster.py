@@ -252,13 +252,10 @@ def check_resources(cfg: Config, rank_opts: dict, engine_opts: dict,
                 "ray.address at a larger cluster")
 
 
-def _node_id(_actor: Any) -> str:
-    return ray.get_runtime_context().get_node_id()
-
-
 def _placement(actors: list) -> dict[str, int]:
     """{node id (first 12 hex digits): actors there}: where Ray put each role."""
-    ids = ray.get([a.__ray_call__.remote(_node_id) for a in actors], timeout=60)
+    ids = ray.get([a.__ray_call__.remote(
+        lambda _: ray.get_runtime_context().get_node_id()) for a in actors], timeout=60)
     return {n[:12]: ids.count(n) for n in dict.fromkeys(ids)}
 
 

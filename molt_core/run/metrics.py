@@ -34,16 +34,6 @@ def namespaced(metrics: dict[str, Any]) -> dict[str, Any]:
     return {**metrics, **{RENAMED.get(k, f"train/{k}"): v for k, v in flat.items()}}
 
 
-class _Stderr:
-    """Whatever `sys.stderr` is at write time (tests and tools swap it)."""
-
-    def write(self, text: str) -> int:
-        return sys.stderr.write(text)
-
-    def flush(self) -> None:
-        sys.stderr.flush()
-
-
 def configure_logging(level: str = "INFO", fmt: str = "console") -> None:
     """By the CLI only (never at import): key=value events (`fmt` json: JSON lines) on stderr."""
     json_lines = fmt == "json"
@@ -53,7 +43,8 @@ def configure_logging(level: str = "INFO", fmt: str = "console") -> None:
                     structlog.processors.JSONRenderer() if json_lines
                     else structlog.dev.ConsoleRenderer(colors=False)],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level)),
-        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),
+        # a logger per call on whatever `sys.stderr` is then (tests and tools swap it)
+        logger_factory=lambda *_: structlog.PrintLogger(sys.stderr),
     )
 
 
@@ -99,7 +90,8 @@ class MetricsSink:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         now = time.time()
         row = {"step": step, "time": now, **namespaced(
-            {"elapsed_s": now - self.t0, **{k: _plain(v) for k, v in metrics.items()}})}
+            {"elapsed_s": now - self.t0, **{k: v.item() if hasattr(v, "item") else v
+                                              for k, v in metrics.items()}})}
         if self.file:
             end = os.fstat(self.file.fileno()).st_size
             try:
@@ -140,10 +132,6 @@ class MetricsSink:
             sink.close()
         if self.file:
             self.file.close()
-
-
-def _plain(v: Any) -> Any:
-    return v.item() if hasattr(v, "item") else v
 
 
 class RunDirError(OSError):
