@@ -34,10 +34,9 @@ class TRLEnvironment(ChatAgent):
         self.tools = {n: getattr(self.env, n) for n, _ in inspect.getmembers(type(self.env),
                       inspect.isfunction) if n[0] != "_" and n not in ("reset", "get_reward")}
         self.schemas = [get_json_schema(f) for f in self.tools.values()]   # as TRL renders them
-        if not callable(getattr(self.env, "reset", None)) or not (
-                self.functions or hasattr(self.env, "get_reward")):
-            raise ValueError(f"agent_args.environment '{environment}' needs a reset() method, and "
-                             "a get_reward() method or agent_args.reward")
+        if not (self.functions or hasattr(self.env, "get_reward")):    # TRL: no reward source
+            raise ValueError(f"agent_args.environment '{environment}' has no get_reward() method: "
+                             "name reward functions in agent_args.reward")
         self.data = Dataset(data=data, reward=[], **data_args or {}) if data else None
         self.max_calls = max_tool_calling_iterations
 
