@@ -1,11 +1,5 @@
-"""Trainer backend `automodel`: NVIDIA NeMo AutoModel builds and parallelizes the policy (GPU).
-
-Same ranks, loss, log-probs and weight sync as `fsdp2` (`policy.PolicyWorker`); only the model
-construction differs (docs/scaling.md): AutoModel's FSDP2 strategy on a (dp, tp) mesh and, with
-`trainer.ep_size > 1`, its own MoE layers, experts sharded over an ep mesh (dense layers and ep=1
-keep the HF implementation, so names and modules are the ones the engines and `molt_core.moe`
-know). nemo-automodel asserts CUDA when it builds a model: it runs only where ranks get GPUs.
-"""
+"""Trainer backend `automodel` (GPU): `fsdp2`'s ranks, loss, log-probs and weight sync, with the
+model built and parallelized by NVIDIA NeMo AutoModel (docs/scaling.md, "Multi-GPU training")."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""Held-out evaluation: a loop of its own over the generator, the agent and the engines.
-
-Eval prompt i is task `EVAL_TASKS + i`, far from the training tasks (`seed * 1_000_003 + group
-id`), of a held-out split the agent must serve (`eval_agent`: e.g. the arithmetic and math envs'
-`split: test` from `eval.agent_args`). Two passes over the same prompts: greedy (top_k 1), one rollout
-each, and sampled with the recipe's sampling settings, `eval.k` rollouts each. A rollout counts
-as solved when its reward >= `eval.success`. Each eval request carries a seed of its own, so
-evaluating never moves the training engines' sampling stream. Metrics: `eval/{greedy,sampled}/pass@1` (sampled:
-mean over samples), `eval/{greedy,sampled}/reward_mean`, `eval/sampled/pass@k`, `eval/time_s`.
-"""
+"""Held-out evaluation (docs/observability.md, "Held-out evaluation"): a loop of its own over the
+generator, the agent and the engines; greedy and sampled passes over tasks `EVAL_TASKS + i`."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Engine restarts: a dead engine actor is replaced and loaded with the trainer's weights. The
-trainer hands `EngineRestarts` to the scheme as its `policy`, so a push that meets a dead engine
-is redone under the conditions the scheme pushed under (requests held, engines paused).
-
-Verified syncs: a push whose checksums differ (`weight_sync.WeightMismatchError`), and after a
-sync a canary whose log-probs differ (each engine's `score` of a fixed text against the trainer's,
-`check.canary_every`), are counted (`faults/weight_sync_mismatches`) and pushed once more; a
-second mismatch is the error, naming the engine, the parameter where it can and the gap."""
+"""Engine restarts and verified syncs (docs/scaling.md, "Weight sync"): a dead engine actor is
+replaced and loaded with the trainer's weights; the trainer hands `EngineRestarts` to the scheme
+as its `policy`, so a push that meets a dead engine is redone under the scheme's conditions."""
 
 from __future__ import annotations
 

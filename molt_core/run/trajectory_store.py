@@ -87,12 +87,9 @@ def write_trajectories(path: Path, rows: list[tuple]) -> None:
 
 class TrajectoryWriter:
     """Saves what each step trained on from a SCHED_IDLE process (no GIL shared with the loop),
-    fed by a thread; a full queue drops a step with a warning rather than stall the loop. A
-    checkpoint is complete only after `flush`, so a killed run's steps before its checkpoint
-    are on disk and its resume rewrites the rest: each step saved once. A failed writer stops
-    the run (`RunDirError`) at the next step.
-    `every`: steps between saves (0: off); `per_step`: rollouts saved per saved step (0: all);
-    `start`: the first step of this run (a resumed run's saved steps from it on replace any)."""
+    fed by a thread (a full queue drops a step, warned); a checkpoint waits for `flush`, so each
+    step is saved once across a kill and resume; a failed writer stops the run (`RunDirError`).
+    `start`: this run's first step (a resumed run's saved steps from it on replace any)."""
 
     def __init__(self, run_dir: Path | None, tokenizer: Any, every: int = 1, per_step: int = 0,
                  task_of: Callable[[int], int] | None = None, start: int = 0) -> None:
