@@ -1,6 +1,9 @@
-"""The learning run on a real model: SmolLM2-135M-Instruct on held-out arithmetic word problems.
+"""The learning run on a real model: SmolLM2-135M-Instruct on held-out arithmetic word problems,
+or (`--workload reasoning_gym`) on reasoning-gym's basic_arithmetic
+(recipes/cpu/smollm2_reasoning_gym.yaml).
 
-    python bench/smollm2.py [--full] [key=value ...]      (make bench-smollm2; needs make pretrained)
+    python bench/smollm2.py [--full] [--workload arithmetic|reasoning_gym] [key=value ...]
+    (make bench-smollm2; needs make pretrained)
 
 LoRA r=16 (the recipe's lr) by default, `--full`: full fine-tuning (lr 2e-5). Prints held-out greedy
 accuracy at every evaluation, steps and minutes of training (evaluations excluded), the trainer's
@@ -13,6 +16,7 @@ one thread.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -23,7 +27,8 @@ from molt_core.cli import load
 from molt_core.run.metrics import configure_logging
 from molt_core.trainer import train
 
-RECIPE = "recipes/cpu/smollm2_arithmetic.yaml"
+WORKLOADS = {"arithmetic": "recipes/cpu/smollm2_arithmetic.yaml",
+             "reasoning_gym": "recipes/cpu/smollm2_reasoning_gym.yaml"}
 
 
 def matmul_flops(n: int = 1024, seconds: float = 2.0) -> float:
@@ -39,12 +44,15 @@ def matmul_flops(n: int = 1024, seconds: float = 2.0) -> float:
 def main() -> None:
     args = sys.argv[1:]
     full = "--full" in args
-    overrides = [a for a in args if a != "--full"]
+    workload = args[args.index("--workload") + 1] if "--workload" in args else "arithmetic"
+    overrides = [a for a in args if a not in ("--full", "--workload", workload)]
+    if workload not in WORKLOADS:
+        sys.exit(f"--workload {workload}: use one of {', '.join(WORKLOADS)}")
     if full:
         overrides = ["trainer.lora.rank=0", "trainer.lr=2e-5", *overrides]
     configure_logging()
-    cfg, plugins = load(RECIPE, overrides)
-    t0 = time.perf_counter()
+    cfg, plugins = load(WORKLOADS[workload], overrides)
+    load0, t0 = os.getloadavg()[0], time.perf_counter()
     history = train(cfg, plugins, None, progress=False)
     wall = time.perf_counter() - t0
     steps = [h for h in history if "reward/mean" in h]
@@ -60,7 +68,7 @@ def main() -> None:
              "optimizer": "train/optim_s", "weight sync": "time/weight_sync_s"}
     step = statistics.mean(h["time/step_s"] for h in steps)
     out = {
-        "mode": "full" if full else f"lora r={cfg.trainer.lora.rank}",
+        "workload": workload, "mode": "full" if full else f"lora r={cfg.trainer.lora.rank}",
         "engine": cfg.engine.name, "lr": cfg.trainer.lr, "steps": len(steps),
         "greedy_acc": {e["step"]: round(e["eval/greedy/pass@1"], 3) for e in evals},
         "sampled_pass@1": {e["step"]: round(e.get("eval/sampled/pass@1", float("nan")), 3)
@@ -75,6 +83,7 @@ def main() -> None:
         "trainer_gflops": round(flops / 1e9, 2), "matmul_gflops_1thread": round(mm / 1e9, 2),
         "prompts": f"{cfg.rollout.groups_per_step}x{cfg.rollout.group_size}",
         "eval_prompts": cfg.eval.prompts,
+        "load_1min_start_end": [round(load0, 1), round(os.getloadavg()[0], 1)],
     }
     print(json.dumps(out, indent=1))
 

@@ -1,11 +1,16 @@
 """The reasoning-gym adapter (issue 27): the real package's procedural tasks as env
-`reasoning_gym`, rewarded by the task's own scorer, held-out questions kept out of training,
-trained token-exactly on a tiny model; an unknown task name is one clear error."""
+`reasoning_gym`, rewarded by the task's own scorer, held-out questions kept out of training;
+docs/adapters/reasoning_gym.md's example trains token-exactly on a tiny model; an unknown task
+name is one clear error."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
+import runpy
+import sys
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -13,7 +18,6 @@ import reasoning_gym
 import yaml
 from transformers import AutoTokenizer
 
-import molt_core
 from molt_core.cli import load
 from molt_core.config import ConfigError
 from molt_core.contracts import RolloutContext
@@ -22,6 +26,7 @@ from molt_core.plugins import build_plugins
 from molt_core.rollout.eval import EVAL_TASKS
 from molt_reasoning_gym import ReasoningGym
 
+DOC = Path(__file__).parents[1] / "docs" / "adapters" / "reasoning_gym.md"
 TASK, CONFIG = "chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
 SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
             "repetition_penalty": 1.0, "max_new_tokens": 5}
@@ -70,7 +75,7 @@ def recipe(tmp_path, model, **env_args) -> str:
     return str(tmp_path / "rg.yaml")
 
 
-def test_trains_token_exactly_with_the_scorer_as_reward(tiny_model_dir, tmp_path):
+def test_trains_token_exactly_with_the_scorer_as_reward(tiny_model_dir, tmp_path, monkeypatch):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     engine, sampled = HFEngine(str(tiny_model_dir), seed=3), []
 
@@ -88,16 +93,28 @@ def test_trains_token_exactly_with_the_scorer_as_reward(tiny_model_dir, tmp_path
     assert run(env.reset(5)) in tok.decode(traj.token_ids)      # the question is the prompt
     assert traj.reward == run(env.step(tok.decode(trainable, skip_special_tokens=True)))[1]
 
-    result = molt_core.train(recipe(tmp_path, tiny_model_dir))
+    # the docs' example, verbatim, on the tiny model in SmolLM2's place
+    blocks = dict(re.findall(r'```\w+ title="([^"]+)"\n(.*?)```', DOC.read_text(), re.S))
+    assert set(blocks) == {"chain_sum.yaml", "train.py"}
+    for title, body in blocks.items():
+        (tmp_path / title).write_text(body)
+    (tmp_path / ".cache").mkdir()
+    (tmp_path / ".cache" / "smollm2-135m-instruct").symlink_to(tiny_model_dir)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    result = runpy.run_path("train.py")["run"]
     steps = [r for r in result.history if "reward/mean" in r]
     evals = [r for r in result.history if "eval/time_s" in r]
     assert len(steps) == 2 and [e["step"] for e in evals] == [0, 2]
-    rows = pq.read_table(next((result.run_dir / "trajectories").glob("*.parquet"))).to_pylist()
-    assert len(rows) == 16
+    env_args = yaml.safe_load(blocks["chain_sum.yaml"])["agent"]["args"]["env_args"]
+    env = ReasoningGym(**env_args)
+    rows = [r for f in sorted((result.run_dir / "trajectories").glob("*.parquet"))
+            for r in pq.read_table(f).to_pylist()]
+    assert len(rows) == 64
     for row in rows:        # each saved reward is the task's score of the trained tokens' text
         reply = tok.decode([t for t, m in zip(row["token_ids"], row["loss_mask"]) if m],
                            skip_special_tokens=True)
-        run(env.reset(row["task"]))
+        assert run(env.reset(row["task"])) in tok.decode(row["token_ids"])
         assert row["reward"] == run(env.step(reply))[1] and json.loads(row["info"]) == {}
 
 
