@@ -10,7 +10,7 @@ from molt_core.lazy import torch
 
 __all__ = ["CORRECTIONS", "aggregate", "clipped_surrogate", "entropy_from_logits", "group_stats",
            "is_correction", "kl_estimate", "loss_terms", "masked_mean", "masked_whiten",
-           "rollout_sum", "value_loss"]
+           "reward_to_go", "rollout_sum", "value_loss"]
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -51,6 +51,14 @@ def rollout_sum(x: torch.Tensor, rollout_index: torch.Tensor | None) -> torch.Te
         return x
     _, inv = torch.unique(rollout_index.flatten(), return_inverse=True)
     return x.new_zeros(int(inv.max()) + 1, *x.shape[1:]).index_add(0, inv, x)[inv]
+
+
+def reward_to_go(turn_rewards: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """G_k = sum_{k' >= k} gamma^(k' - k) r_k'. [R, K] -> [R, K]"""
+    out, acc = torch.zeros_like(turn_rewards), torch.zeros_like(turn_rewards[:, 0])
+    for k in reversed(range(turn_rewards.shape[1])):
+        out[:, k] = acc = turn_rewards[:, k] + gamma * acc
+    return out
 
 
 def group_stats(values: torch.Tensor, group_index: torch.Tensor

@@ -23,11 +23,7 @@ __all__ = ["Addition", "Arithmetic", "Colours", "Dataset", "Env", "GuessNumber",
 
 
 class NextLetter(Env):
-    """"after c" -> "d". Single turn, judged on the reply's first character.
-
-    Reward: 1 for the right letter; a near miss (distance d < window) earns 0.1 + 0.5 (1 - d/window);
-    any other letter 0.1 (format credit); anything else 0.
-    """
+    """"after c" -> "d", on the reply's first character (rewards: docs/environments.md)."""
 
     def __init__(self, letters: str = "abcdefgh", window: int = 2) -> None:
         self.letters, self.window = letters, window
@@ -49,8 +45,7 @@ class NextLetter(Env):
 
 
 class Addition(Env):
-    """"what is 3 plus 4?" -> "7" (operands 0..hi, sums below 10). Single turn, judged on the
-    reply's first character: 1 for the sum, 0.1 for any other digit, else 0."""
+    """"what is 3 plus 4?" -> "7" (operands 0..hi), on the reply's first character."""
 
     def __init__(self, hi: int = 4) -> None:
         self.hi = hi
@@ -67,13 +62,8 @@ class Addition(Env):
 
 
 class Spell(Env):
-    """A multi-token answer: "bdca=" -> "acdb" for `task` reverse, "bdca=" -> "cedb" for shift
-    (each letter's next); the source is `length` letters drawn from `letters`.
-
-    Reward: the mean over the `length` answer positions of 1 for the right letter, 0.1 for
-    another letter (format credit), else 0, so every answer token moves it; characters past
-    `length` are not read (`sampling.max_new_tokens` bounds the answer).
-    """
+    """A multi-token answer: "bdca=" -> "acdb" (`task` reverse) or "cedb" (shift); each answer
+    letter is scored, so every answer token moves the reward (docs/environments.md)."""
 
     TASKS = {"reverse": lambda s: s[::-1], "shift": lambda s: "".join(chr(ord(c) + 1) for c in s)}
 
@@ -96,11 +86,7 @@ class Spell(Env):
 
 
 class GuessNumber(Env):
-    """Guess a digit in [lo, hi] with "higher"/"lower" feedback. Multi-turn.
-
-    Reward 1 on the turn the guess is right (0 otherwise), so fewer turns need a better first
-    guess; an invalid reply ends the episode.
-    """
+    """Guess a digit in [lo, hi] with "higher"/"lower" feedback; multi-turn, 1 when right."""
 
     def __init__(self, lo: int = 1, hi: int = 8) -> None:
         self.lo, self.hi = lo, hi
@@ -184,12 +170,8 @@ class MathProblems(Env):
 
 
 class Arithmetic(MathProblems):
-    """One-operation arithmetic word problems generated from the seed (no data files).
-
-    Problems are split by a hash of (template, operands): `split` "train" keeps 4/5 of them,
-    "test" the other 1/5, so held-out evaluation never sees a training problem. Answers are
-    integers of 1-4 digits (multi-token); reward: math-verify on the reply's last number.
-    """
+    """One-operation arithmetic word problems generated from the seed, split by a hash of
+    (template, operands): "train" 4/5, "test" 1/5; math-verify on the reply's last number."""
 
     boxed = False
     # (text, answer); a, b drawn from `lo`..`hi`; division problems are built from their answer
@@ -312,12 +294,8 @@ def _order(epoch_start: int, n: int) -> np.ndarray:
 
 
 class Colours(Env):
-    """Name the colour of a generated image (VL policies): reply with its letter, r g b or y.
-
-    Each turn shows a new noisy solid-colour image; `turns` > 1 sends the next image as the env's
-    reply. Per turn: 1 for the right letter, 0.1 for another colour's letter (format credit),
-    else 0; divided by `turns`. Chance for a policy that only names colours: 0.325.
-    """
+    """Name the colour of a generated noisy image by its letter (VL policies), a new image each
+    of `turns` turns (rewards: docs/environments.md)."""
 
     RGB = {"r": (210, 40, 40), "g": (40, 190, 40), "b": (40, 40, 210), "y": (220, 210, 40),
            "w": (235, 235, 235), "k": (20, 20, 20)}

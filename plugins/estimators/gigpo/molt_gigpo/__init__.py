@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from molt_core import hookimpl
 from molt_core.advantage import Rollouts
-from molt_core.algos import group_stats
+from molt_core.algos import group_stats, reward_to_go
 from molt_core.lazy import torch
 
 __all__ = ["gigpo", "gigpo_advantages", "step_keys"]
@@ -23,9 +23,7 @@ def gigpo(rewards: torch.Tensor, turn_rewards: torch.Tensor, keys: torch.Tensor,
     """A_ik = A^E_i + omega * A^S_ik: A^E over the group's rewards, A^S over the discounted returns
     R_ik = sum_{k' >= k} gamma^(k' - k) r_ik' of step group keys[i, k] (-1: no turn k, A = 0).
     Groups of one get 0. [R], [R, K], [R, K], [R] -> [R, K]"""
-    ret, acc = torch.zeros_like(turn_rewards), torch.zeros_like(rewards)
-    for k in reversed(range(turn_rewards.shape[1])):
-        ret[:, k] = acc = turn_rewards[:, k] + gamma * acc
+    ret = reward_to_go(turn_rewards, gamma)
     has = keys >= 0
     adv = torch.zeros_like(ret)
     adv[has] = (_relative(rewards, group_index, norm_std, eps)[:, None].expand_as(ret)[has]

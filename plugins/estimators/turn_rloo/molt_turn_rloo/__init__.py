@@ -6,18 +6,10 @@ from __future__ import annotations
 
 from molt_core import hookimpl
 from molt_core.advantage import Rollouts
-from molt_core.algos import group_stats
+from molt_core.algos import group_stats, reward_to_go
 from molt_core.lazy import torch
 
 __all__ = ["reward_to_go", "turn_rloo", "turn_rloo_advantages"]
-
-
-def reward_to_go(turn_rewards: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
-    """G_k = sum_{k' >= k} gamma^(k' - k) r_k'. [R, K] -> [R, K]"""
-    out, acc = torch.zeros_like(turn_rewards), torch.zeros_like(turn_rewards[:, 0])
-    for k in reversed(range(turn_rewards.shape[1])):
-        out[:, k] = acc = turn_rewards[:, k] + gamma * acc
-    return out
 
 
 def turn_rloo(turn_rewards: torch.Tensor, num_turns: torch.Tensor, group_index: torch.Tensor, *,
