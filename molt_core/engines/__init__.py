@@ -7,18 +7,16 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any
 
-__all__ = ["Requests", "SAMPLING_KEYS", "check_request", "default_stop_ids"]
+__all__ = ["Requests", "SAMPLING_KEYS", "check_sampling", "default_stop_ids"]
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
 
 
-def check_request(prompt_ids: list[int], sampling: dict, max_positions: int, limit: str
-                  ) -> tuple[dict, list[int] | None, int | None]:
-    """Split `sampling` into the six explicit knobs, the optional stop_token_ids and seed (the
-    request's own RNG); raise on a missing or unknown knob (a silently defaulted knob changes the
-    behavior policy) or a prompt that does not fit (`limit`: the engine's name for the bound)."""
+def check_sampling(sampling: dict) -> tuple[dict, list[int] | None]:
+    """Split `sampling` into the six explicit knobs and the optional stop_token_ids; raise on a
+    missing or unknown knob (a silently defaulted knob changes the behavior policy)."""
     sampling = dict(sampling)
-    stop, seed = sampling.pop("stop_token_ids", None), sampling.pop("seed", None)
+    stop = sampling.pop("stop_token_ids", None)
     missing = [k for k in SAMPLING_KEYS if k not in sampling]
     unknown = [k for k in sampling if k not in SAMPLING_KEYS]
     if missing or unknown:
@@ -28,10 +26,7 @@ def check_request(prompt_ids: list[int], sampling: dict, max_positions: int, lim
         raise ValueError(f"temperature must be > 0, got {sampling['temperature']}")
     if sampling["max_new_tokens"] < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {sampling['max_new_tokens']}")
-    if not prompt_ids or len(prompt_ids) >= max_positions:
-        raise ValueError(f"prompt has {len(prompt_ids)} tokens; it needs 1 to "
-                         f"{max_positions - 1} ({limit} {max_positions})")
-    return sampling, stop, seed
+    return sampling, stop
 
 
 def default_stop_ids(model_path: str, config: Any) -> list[int]:

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, DynamicCache
 
 from molt_core import moe, multimodal, weight_sync
-from molt_core.engines import SAMPLING_KEYS, Requests, check_request, default_stop_ids
+from molt_core.engines import SAMPLING_KEYS, Requests, check_sampling, default_stop_ids
 from molt_core.trajectory import Completion, ImageInput
 
 __all__ = ["HFEngine", "SAMPLING_KEYS"]
@@ -104,8 +104,8 @@ class HFEngine:
                 images: list[ImageInput] | None) -> asyncio.Future:
         """Check and queue one request; its future gets the completion (no task per request).
         `sampling["seed"]` (optional): the request samples from a generator of its own."""
-        sampling, stop, seed = check_request(prompt_ids, sampling, self.max_positions,
-                                             "max_position_embeddings")
+        seed = (sampling := dict(sampling)).pop("seed", None)
+        sampling, stop = check_sampling(sampling)
         if images and self._image_id is None:
             raise ValueError("this engine's model takes no images (not a VL checkpoint)")
         if self._image_id is not None:      # checked here: a bad request must not fail its wave
@@ -114,6 +114,10 @@ class HFEngine:
             if n != want:
                 raise ValueError(f"prompt has {n} image placeholder tokens but its "
                                  f"{len(images)} images fill {want}")
+        if not prompt_ids or len(prompt_ids) >= self.max_positions:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; it needs 1 to "
+                             f"{self.max_positions - 1} (max_position_embeddings "
+                             f"{self.max_positions})")
         self._bind_loop()
         req = _Request([int(t) for t in prompt_ids], sampling,
                        frozenset(stop) if stop is not None else self.default_stop_ids,

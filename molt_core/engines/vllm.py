@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from molt_core import moe
-from molt_core.engines import SAMPLING_KEYS, Requests, check_request, default_stop_ids
+from molt_core.engines import SAMPLING_KEYS, Requests, check_sampling, default_stop_ids
 from molt_core.weight_sync import Meta, ShmChannel, nbytes
 from molt_core.trajectory import Completion
 
@@ -151,11 +151,11 @@ class VLLMEngine:
         except asyncio.TimeoutError:
             raise TimeoutError(f"vLLM engine: {what} did not finish within {timeout_s}s") from None
 
-    def _sampling_params(self, prompt_ids: list[int], sampling: dict) -> Any:
+    def _sampling_params(self, sampling: dict) -> Any:
         from vllm import SamplingParams
 
-        sampling, stop, seed = check_request(prompt_ids, sampling, self.max_positions,
-                                             "max_model_len")
+        seed = (sampling := dict(sampling)).pop("seed", None)     # a request's own (eval)
+        sampling, stop = check_sampling(sampling)
         stop_ids = sorted(stop if stop is not None else self.default_stop_ids)
         return SamplingParams(
             n=1, temperature=float(sampling["temperature"]),
@@ -171,7 +171,10 @@ class VLLMEngine:
     async def generate(self, prompt_ids: list[int], sampling: dict) -> Completion:
         from vllm.inputs import TokensPrompt
 
-        params = self._sampling_params(prompt_ids, sampling)
+        params = self._sampling_params(sampling)
+        if not prompt_ids or len(prompt_ids) >= self.max_positions:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; it needs 1 to "
+                             f"{self.max_positions - 1} (max_model_len {self.max_positions})")
         if self._llm is None:
             raise RuntimeError(f"vLLM engine for {self.model_path} is shut down")
         request_id = f"molt-{uuid.uuid4().hex[:12]}"
