@@ -29,8 +29,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str,
     N_tokens and N_seqs are global counts for the optimizer step (sequences with no trainable
     token do not count). A sequence i is a rollout: the rows of its segments add up, the mean is
     over its `seq_tokens` [B, 1] (each row's rollout's trainable tokens; None: the row's own) and
-    N_seqs counts rollouts (`objective.num_sequences`).
-    """
+    N_seqs counts rollouts (`objective.num_sequences`)."""
     m = mask.to(per_token.dtype)
     if mode == "token-mean":
         return (per_token * m).sum() / max(num_tokens, 1)
@@ -92,8 +91,7 @@ def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: f
     """PPO's clipped objective as a loss: l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)).
 
     Returns the per-element loss and where the clipped branch is active (there the gradient
-    through `ratio` is zero). Same shape as `ratio`; `clip_low != clip_high` is DAPO clip-higher.
-    """
+    through `ratio` is zero). Same shape as `ratio`; `clip_low != clip_high` is DAPO clip-higher."""
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     return torch.maximum(unclipped, clipped), clipped > unclipped
@@ -107,8 +105,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
       k1 = -log rho                 (unbiased, high variance, can be negative)
       k2 = (log rho)^2 / 2          (biased, low variance; its gradient is the KL gradient)
       k3 = (rho - 1) - log rho      (unbiased, low variance, >= 0)
-    Use as a loss term (differentiable in `logprobs`) or, detached, as a reward penalty.
-    """
+    Use as a loss term (differentiable in `logprobs`) or, detached, as a reward penalty."""
     log_rho = ref_logprobs - logprobs
     if kind == "k1":
         return -log_rho
@@ -123,8 +120,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) over the last dim: H = logsumexp(z) - sum_v p_v z_v.
 
-    [..., V] -> [...]; the entropy bonus of a loss is -coef * H at trainable tokens.
-    """
+    [..., V] -> [...]; the entropy bonus of a loss is -coef * H at trainable tokens."""
     logits = logits.float()
     p = torch.softmax(logits, -1)
     return torch.logsumexp(logits, -1) - (p * logits).sum(-1)
@@ -136,8 +132,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     l_t = 1/2 max((v_t - R_t)^2, (v_c,t - R_t)^2); `clip` 0: l_t = 1/2 (v_t - R_t)^2.
 
     All [B, T]; returns the per-token loss and where the clipped branch is larger (there the
-    gradient through `values` is zero).
-    """
+    gradient through `values` is zero)."""
     unclipped = (values - returns) ** 2
     if clip <= 0:
         return 0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
@@ -157,8 +152,7 @@ def loss_terms(logprobs: torch.Tensor, entropy: torch.Tensor, *,
       + kl_coef * kl_t(logprobs, ref_logprobs)     (when `ref_logprobs` is given)
       - entropy_coef * H_t                         (entropy bonus)
       + value_coef * value_loss_t                  (the critic, when `values` are given)
-    Metrics: `entropy` always, `kl`, `value/loss`, `value/clip_fraction` when computed.
-    """
+    Metrics: `entropy` always, `kl`, `value/loss`, `value/clip_fraction` when computed."""
     add = -entropy_coef * entropy if entropy_coef else torch.zeros_like(logprobs)
     metrics = {"entropy": entropy.detach()}
     if ref_logprobs is not None:
@@ -200,8 +194,7 @@ def is_correction(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask:
     A sequence (s) is a rollout: all rows of its `rollout_index` [B, 1] (`rollout_sum`).
     The weight is 0 outside `mask`. Metrics ([B, T], averaged over trainable tokens):
     `is_filtered_fraction` (tokens whose weight was zeroed), `is_truncated_fraction` (TIS tokens
-    whose w exceeded the cap), `is_weight` (the weight applied).
-    """
+    whose w exceeded the cap), `is_weight` (the weight applied)."""
     if mode not in CORRECTIONS:
         raise ValueError(f"unknown off-policy correction '{mode}'; valid: {', '.join(CORRECTIONS)}")
     unknown = set(thresholds) - set(CORRECTIONS[mode])

@@ -1,8 +1,7 @@
 """Plugin manager: built-ins -> entry points (group `molt`) -> `--plugin NAME` -> `-p no:NAME`.
 
 Built in a function, never at import. What a plugin provides shows in the hooks it implements;
-registration hooks are merged into a `Registry` that names the plugin behind every entry.
-"""
+registration hooks are merged into a `Registry` that names the plugin behind every entry."""
 
 from __future__ import annotations
 

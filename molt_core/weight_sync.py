@@ -6,8 +6,7 @@ asks each engine to check that every one of its parameters was assigned (`finish
 Transports (`ray`: Ray objects, or the tensors themselves to embedded engines; `broadcast`: a
 standalone gloo/NCCL group `WeightGroup` of rank 0 and every engine worker, from its own
 TCPStore; `shm`: two shared-memory files filled and loaded in turn) and checksums (a parameter
-whose bytes differ is a `WeightMismatchError`): docs/scaling.md, "Weight sync".
-"""
+whose bytes differ is a `WeightMismatchError`): docs/scaling.md, "Weight sync"."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ def push(workers: list, engines: list, version: int, bucket_bytes: int, timeout_
     """Push the trainer's weights to `engines` as `version`; returns rank 0's stats.
 
     Fails fast on the first rank error (engine timeouts surface there as `TimeoutError`); ranks
-    stuck in a gather end at the trainer's process-group timeout.
-    """
+    stuck in a gather end at the trainer's process-group timeout."""
     refs = [w.push_weights.remote(engines, version, bucket_bytes, timeout_s, transport)
             for w in workers]
     pending = list(refs)

@@ -4,8 +4,7 @@ The `AsyncLLM` client lives in this object's process (a Ray actor); vLLM spawns 
 and worker processes from there. Every start and control call has a timeout; sampling knobs and
 EOS are explicit, so both engines stop on the same tokens. How log-probs, weight versions, weight
 updates (`engines/vllm_worker.py`) and MoE routing replay work: docs/scaling.md, "The vllm
-engine".
-"""
+engine"."""
 
 from __future__ import annotations
 

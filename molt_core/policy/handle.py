@@ -1,7 +1,6 @@
 """Trainer backend `fsdp2`, driver side: `Policy` starts `PolicyWorker` ranks (Ray actors; one
 CPU rank reserving nothing: in the driver's process, `trainer.in_driver`), splits a collated batch
-evenly across ranks, counts the step's global normalisers and merges the ranks' metrics.
-"""
+evenly across ranks, counts the step's global normalisers and merges the ranks' metrics."""
 
 from __future__ import annotations
 
@@ -71,8 +70,7 @@ class Policy:
     """Driver handle for `num_ranks` FSDP2 `PolicyWorker` actors.
 
     `actor_options`: Ray options of each rank (GPUs, CPUs, custom resources; `cluster.start`
-    derives them from the config). Ranks of one tensor/context-parallel group get the same rows.
-    """
+    derives them from the config). Ranks of one tensor/context-parallel group get the same rows."""
 
     worker_cls: type = PolicyWorker
 

@@ -1,8 +1,7 @@
 """Trainer backend `fsdp2`, one rank: an HF causal LM sharded with torch `fully_shard`
 (gloo on CPU, NCCL on CUDA), run by `policy.handle.Policy` as a Ray actor or, for one CPU rank
 reserving nothing, in the driver's process (`trainer.in_driver`). World size 1 runs the same FSDP2
-code path as world size N.
-"""
+code path as world size N."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ convention without Ray, so everything above the process boundary is one code pat
 
 `LocalActor(cls, ...)` builds `cls` on a thread of its own running an event loop, as a Ray async
 actor runs: `actor.method.remote(...)` schedules the call there and returns a `LocalRef`, which
-is awaitable and taken by `get` / `wait` as an `ObjectRef` is by `ray.get` / `ray.wait`.
-"""
+is awaitable and taken by `get` / `wait` as an `ObjectRef` is by `ray.get` / `ray.wait`."""
 
 from __future__ import annotations
 

@@ -199,8 +199,7 @@ def rank_placement(n: int, options: dict, timeout_s: float) -> tuple[list[dict],
     loopback when every rank shares one node) and the placement group to remove at shutdown.
 
     One node, or ranks reserving nothing: plain actors on the driver's node. Several nodes: a
-    PACK placement group of one bundle per rank, so rank 0's node is known before ranks start.
-    """
+    PACK placement group of one bundle per rank, so rank 0's node is known before ranks start."""
     if not ray.is_initialized():            # embedded: the one rank is in the driver
         return [options] * n, *_address(True), None
     need = reserved(options)

@@ -22,8 +22,7 @@ def ppo_clip_loss(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor,
                   clip_high: float = 0.2) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """l_t = max(-A r_t, -A clip(r_t, 1-eps_low, 1+eps_high)), r_t = pi(a_t)/pi_behavior(a_t).
 
-    All tensors [B, T]; returns the per-token loss and per-token metrics.
-    """
+    All tensors [B, T]; returns the per-token loss and per-token metrics."""
     ratio = torch.exp(logprobs - behavior_logprobs)
     loss, clipped = clipped_surrogate(ratio, advantages, clip_low, clip_high)
     return loss, {"clip_fraction": clipped.float(), "ratio": ratio.detach()}

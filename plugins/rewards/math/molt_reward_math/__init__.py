@@ -20,8 +20,7 @@ def math_reward(response: str, answer: str, *, require_boxed: bool = True,
 
     `answer` may be bare LaTeX/number ("\\frac{1}{2}", "0.5") or already boxed. math-verify's
     timeouts use SIGALRM, which only the main thread may set: in other threads (the generator's
-    event loop) parsing runs without a timeout.
-    """
+    event loop) parsing runs without a timeout."""
     from math_verify import parse, verify
 
     if require_boxed and "\\boxed" not in response and "\\fbox" not in response:
