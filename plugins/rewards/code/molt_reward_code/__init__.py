@@ -5,8 +5,7 @@ network and mount namespaces, a fresh uid, cgroup limits, rlimits, a wall-clock 
 environment. The program holds no verdict: a judge process outside its namespaces runs the tests,
 the program's names bound to handles that get data back; 1.0 only if the judge ran every test
 statement. Each layer, the threat model and what is not protected: docs/environments.md,
-"The code sandbox".
-"""
+"The code sandbox"."""
 
 from __future__ import annotations
 
@@ -258,14 +257,9 @@ def _hidden_homes() -> list[str]:
 def code_reward(response: str, answer: str, *, timeout_s: float = 5.0, memory_mb: int = 512,
                 max_output_kb: int = 256, max_processes: int = 16,
                 isolate_network: bool = True) -> tuple[float, dict]:
-    """1.0 if `extract_code(response)` runs in the sandbox and then every statement of `answer`
-    (test code, e.g. asserts, run by the judge) completes; `memory_mb` bounds each process (and all
-    together with cgroups), `max_processes` the processes (with cgroups or as root).
-
-    Otherwise 0.0 with `info["reason"]`: no_code, timeout, cpu_time_limit, memory_limit,
-    process_limit, output_limit, early_exit, killed_by_signal, failed (then `info["error"]` is the
-    failed test's exception or the program's last stderr line). `info["tests_passed"]`: tests run.
-    """
+    """1.0 if `extract_code(response)` runs in the sandbox and then the judge runs every statement
+    of `answer` (test code, e.g. asserts); else 0.0 with `info["reason"]` (the reasons and limits:
+    docs/environments.md, "The code sandbox")."""
     code = extract_code(response)
     if not code.strip():
         return 0.0, {"reason": "no_code"}
