@@ -32,7 +32,7 @@ DOC = HERE.parent / "docs" / "adapters" / "mcp.md"
 SERVER = [sys.executable, "add_server.py"]       # the doc's `python`, this venv's
 ARGS = {"server": SERVER, "data": "data/sums.jsonl", "data_args": {"test_fraction": 0.0},
         "reward": {"rewards:correct": 1.0}, "timeout_s": 60.0}
-SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+SAMPLING = {"temperature": 0.5, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
             "repetition_penalty": 1.0, "max_new_tokens": 40}
 TOOL = {"type": "function", "function": {"name": "add", "description": "Add two numbers",
         "parameters": {"properties": {"a": {"title": "A", "type": "integer"},
@@ -79,7 +79,7 @@ def caller_dir(tiny_model_dir, example, tmp_path_factory) -> Path:
         pairs.append((tok.apply_chat_template(msgs, tools=[TOOL], tokenize=False,
                                               add_generation_prompt=True),
                       f"It is {a + b}.<|im_end|>"))
-    return imprint(base, tmp_path_factory.mktemp("mcp_caller"), pairs, tol=0.01)
+    return imprint(base, tmp_path_factory.mktemp("mcp_caller"), pairs, steps=400, tol=0.01)
 
 
 def rollouts(model_dir: Path, agent_args: dict, n: int) -> tuple[list, Recorder]:
