@@ -48,10 +48,11 @@ def _last_int(text: str | None) -> int | None:
 
 
 class CalculatorAgent(ChatAgent):
-    def __init__(self, *, split: str = "train", max_turns: int = 3, system: str = "") -> None:
+    def __init__(self, *, split: str = "train", max_turns: int = 3, system: str = "",
+                 shots: int = 0) -> None:
         if split not in ("train", "test"):
             raise ValueError(f"split '{split}': use train or test")
-        self.split, self.max_turns, self.system = split, max_turns, system
+        self.split, self.max_turns, self.system, self.shots = split, max_turns, system, shots
         self.held_out = split == "test"
 
     def problem(self, task: int) -> tuple[int, int]:
@@ -64,6 +65,15 @@ class CalculatorAgent(ChatAgent):
     async def run(self, ctx: ChatContext) -> float:
         a, b = self.problem(ctx.task)
         messages: list[Any] = [{"role": "system", "content": self.system}] if self.system else []
+        for k in range(self.shots):     # worked examples: call, result, answer
+            x, y = 111 + 37 * k, 12 + 5 * k
+            messages += [{"role": "user", "content": f"What is {x} * {y}?"},
+                         {"role": "assistant", "content": "", "tool_calls": [{
+                             "id": f"ex{k}", "type": "function", "function": {
+                                 "name": "calculator",
+                                 "arguments": json.dumps({"expression": f"{x} * {y}"})}}]},
+                         {"role": "tool", "tool_call_id": f"ex{k}", "content": str(x * y)},
+                         {"role": "assistant", "content": f"{x} * {y} = {x * y}"}]
         messages.append({"role": "user", "content": f"What is {a} * {b}?"})
         calls = correct = 0
         async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key,

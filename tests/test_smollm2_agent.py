@@ -81,7 +81,8 @@ def test_tool_template_without_tools_is_smollm2s(smollm2_dir):
 def test_smollm2_agent_smoke(ray_local, smollm2_dir):
     cfg, plugins = load(RECIPE, [
         f"model.path={smollm2_dir}", f"model.chat_template={TEMPLATE}", "trainer.steps=2",
-        "rollout.groups_per_step=1", "rollout.group_size=2", "eval.every=2", "eval.prompts=2",
+        "rollout.groups_per_step=1", "rollout.group_size=2", "sampling.max_new_tokens=16",
+        "agent.args.agent_args.max_turns=2", "eval.every=2", "eval.prompts=2",
         "check.consistency_every=1", "check.consistency_tol=0.001"], [PLUGIN])
     history = train(cfg, plugins, None, progress=False)
     steps = [h for h in history if "reward/mean" in h]
