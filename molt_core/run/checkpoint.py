@@ -90,14 +90,6 @@ def resolve(path: str | Path) -> Path:
     return found
 
 
-def _traj_state(t: Trajectory) -> dict[str, Any]:
-    return {**vars(t), "images": [dict(vars(im)) for im in t.images]}
-
-
-def _traj_load(d: dict[str, Any]) -> Trajectory:
-    return Trajectory(**{**d, "images": [ImageInput(**im) for im in d["images"]]})
-
-
 def check_resume_config(saved: dict, cfg: Config) -> None:
     """Raise ConfigError naming every changed key outside `SAFE_TO_CHANGE`."""
     def flat(d: Any, pre: str = "") -> dict[str, Any]:
@@ -159,7 +151,8 @@ class Checkpointer:
             if rng is not None and hasattr(e, "set_rng_state"):
                 actors.get(e.set_rng_state.remote(rng), timeout=self.cfg.engine.timeout_s)
         gen = state["generator"]
-        gen["buffer"] = [[_traj_load(t) for t in g] for g in gen["buffer"]]
+        gen["buffer"] = [[Trajectory(**{**t, "images": [ImageInput(**im) for im in t["images"]]})
+                          for t in g] for g in gen["buffer"]]
         self.generator.load_state_dict(gen)
         if hasattr(self.scheme, "version"):
             self.scheme.version = self.version
@@ -200,7 +193,8 @@ class Checkpointer:
             critic = self.policy.save_checkpoint(str(tmp))
             metrics = self.run_dir / "metrics.jsonl"
             gen = self.generator.state_dict()
-            gen["buffer"] = [[_traj_state(t) for t in g] for g in gen["buffer"]]
+            gen["buffer"] = [[{**vars(t), "images": [dict(vars(im)) for im in t.images]}
+                              for t in g] for g in gen["buffer"]]   # plain data: weights_only
             plugin_state = {impl.plugin_name: impl.function()
                             for impl in self.plugins.hook.molt_state_dict.get_hookimpls()}
             timeout = self.cfg.engine.timeout_s
