@@ -1,11 +1,13 @@
-"""Env `openenv` (issue 27): the echo environment openenv-core's own `openenv init` writes, used
-as written, served by openenv-core's server app on 127.0.0.1 and trained on token-exactly (two
-turns: the sampled ids trainable, the server's echo a masked user turn); a dead server, a wrong
-field and a server that drops mid-run are each one clear error."""
+"""Env `openenv` (issue 27): docs/adapters/openenv.md's example. The echo environment openenv-core's
+own `openenv init` writes, served by its own `server/app.py` (capacity raised as the page says) on
+127.0.0.1, trained on token-exactly with the page's recipe (two turns: the sampled ids trainable,
+the server's echo a masked user turn); a dead server, a wrong field and a server gone mid-run are
+each one clear error."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import sys
 import threading
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import uvicorn
+import yaml
 from openenv.cli.commands.init import init
 from transformers import AutoTokenizer
 
@@ -22,23 +25,24 @@ from molt_core.cli import load
 from molt_core.config import ConfigError
 from molt_core.trainer import train
 from molt_openenv import OpenEnv
-from common import toy_recipe
 
-GROUPS, GROUP_SIZE = 2, 4     # the server holds one step's sessions: a leaked one fails the next
+DOC = (Path(__file__).parents[1] / "docs" / "adapters" / "openenv.md").read_text()
+RECIPE = yaml.safe_load(re.search(r'```yaml title="echo.yaml"\n(.*?)```', DOC, re.S)[1])
+# the server holds one step's sessions: a session left open fails the next step
+ROLLOUTS = RECIPE["rollout"]["groups_per_step"] * RECIPE["rollout"]["group_size"]
 
 
 @pytest.fixture(scope="module")
 def echo_url(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("openenv")
     init("echo_env", output_dir=str(root))          # what `openenv init echo_env` writes
+    app_py = root / "echo_env" / "server" / "app.py"
+    edit = re.search(r"sed -i 's/(.*?)/(.*?)/' echo_env/server/app.py", DOC)   # the page's edit
+    assert edit[1] in app_py.read_text() and edit[2] == f"max_concurrent_envs={ROLLOUTS},"
+    app_py.write_text(app_py.read_text().replace(edit[1], edit[2]))
     sys.path.insert(0, str(root))
-    from echo_env.models import EchoAction, EchoObservation
-    from echo_env.server.echo_env_environment import EchoEnvironment
-    from openenv.core.env_server.http_server import create_app
+    from echo_env.server.app import app
 
-    # echo_env/server/app.py's create_app call, with room for one step's concurrent rollouts
-    app = create_app(EchoEnvironment, EchoAction, EchoObservation, env_name="echo_env",
-                     max_concurrent_envs=GROUPS * GROUP_SIZE)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
@@ -77,22 +81,23 @@ class Recorder:
 
 
 def recipe(tmp_path: Path, model: Path, env_args: dict) -> str:
-    return toy_recipe(tmp_path, model, rollout={"groups_per_step": GROUPS,
-                                                "group_size": GROUP_SIZE},
-                      sampling={"max_new_tokens": 4}, out_dir=str(tmp_path / "runs"),
-                      agent={"name": "gym", "args": {"env": "openenv", "env_args": env_args,
-                                                     "max_turns": 2}})
+    """The page's recipe on `model`, its env_args updated."""
+    data = yaml.safe_load(yaml.safe_dump(RECIPE))
+    data["model"]["path"], data["out_dir"] = str(model), str(tmp_path / "runs")
+    data["agent"]["args"]["env_args"].update(env_args)
+    (tmp_path / "echo.yaml").write_text(yaml.safe_dump(data))
+    return str(tmp_path / "echo.yaml")
 
 
 def test_trains_on_an_openenv_server_token_exactly(ray_local, tiny_chars_dir, tmp_path,
                                                    echo_url):
-    path = recipe(tmp_path, tiny_chars_dir, {"url": echo_url, "observation": "echoed_message"})
+    path = recipe(tmp_path, tiny_chars_dir, {"url": echo_url})
     cfg, plugins = load(path, ["trainer.steps=2", "check.consistency_every=1"])
     plugins.pm.register(rec := Recorder(), name="recorder")
     (tmp_path / "run").mkdir()
     rows = train(cfg, plugins, tmp_path / "run", progress=False)
     assert not {k: v for r in rows for k, v in r.items() if "dropped" in k and v}
-    assert len(rec.trajs) == 2 * GROUPS * GROUP_SIZE
+    assert len(rec.trajs) == 2 * ROLLOUTS
     tok = AutoTokenizer.from_pretrained(tiny_chars_dir)
     for t in rec.trajs:
         spans = t.turns()           # runs of engine-sampled tokens (those with a weight version)
@@ -100,7 +105,8 @@ def test_trains_on_an_openenv_server_token_exactly(ray_local, tiny_chars_dir, tm
         sampled = [i for a, b in spans for i in range(a, b)]
         assert [i for i, m in enumerate(t.loss_mask) if m] == sampled
         actions = [tok.decode(t.token_ids[a:b], skip_special_tokens=True) for a, b in spans]
-        assert "environment ready!" in tok.decode(t.token_ids[:spans[0][0]])   # its reset
+        # its reset's "Echo Env environment ready!" (the character-level tokenizer has no capitals)
+        assert "environment ready!" in tok.decode(t.token_ids[:spans[0][0]])
         # the server got the sampled text: its echo comes back as the masked user turn, and its
         # reward is 0.1 per character
         assert actions[0] in tok.decode(t.token_ids[spans[0][1]:spans[1][0]])
@@ -112,13 +118,13 @@ def test_unreachable_server_or_wrong_fields_are_one_clear_error(tiny_chars_dir, 
                                                                 echo_url):
     dead = f"http://127.0.0.1:{free_port()}"
     for env_args, says in (
-            ({"url": dead}, f"env_args.url: no OpenEnv server answers at {dead} "
-                            r"\(ConnectionError: .*\); start it or fix the url"),
+            ({"url": dead, "timeout_s": 5}, f"env_args.url: no OpenEnv server answers at {dead} "
+                                            r"\(ConnectionError: .*\); start it or fix the url"),
             ({"url": echo_url + "/nothing"}, "no OpenEnv server answers at"),
-            ({"url": echo_url}, r"env_args.observation: the server's observations have fields "
-                                "done, reward, metadata, echoed_message, message_length, not "
-                                "'message'"),
-            ({"url": echo_url, "action": "text", "observation": "echoed_message"},
+            ({"url": echo_url, "observation": "message"},
+             "env_args.observation: the server's observations have fields done, reward, "
+             "metadata, echoed_message, message_length, not 'message'"),
+            ({"url": echo_url, "action": "text"},
              "env_args.action: .* have fields metadata, message, not 'text'")):
         with pytest.raises(ConfigError, match=says):
             load(recipe(tmp_path, tiny_chars_dir, env_args), [])
