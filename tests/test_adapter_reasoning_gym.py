@@ -119,6 +119,9 @@ def test_trains_token_exactly_with_the_scorer_as_reward(tiny_model_dir, tmp_path
 
 
 def test_unknown_task_is_one_clear_error(tiny_model_dir, tmp_path):
+    shipped = Path(__file__).parents[1] / "recipes/cpu/smollm2_reasoning_gym.yaml"
+    cfg, _ = load(str(shipped), [f"model.path={tiny_model_dir}"])     # the recipe is valid
+    assert cfg.agent.args["env_args"]["task"] == "basic_arithmetic"
     with pytest.raises(ConfigError, match=r"task 'chain_sums' unknown; close names: chain_sum"):
         load(recipe(tmp_path, tiny_model_dir, task="chain_sums"), [])
     tiny = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}   # 100 questions
