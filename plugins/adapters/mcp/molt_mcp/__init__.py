@@ -59,8 +59,6 @@ class MCPTools(TRLEnvironment):
 
     def __init__(self, *, server: list[str], data: str, reward: dict, data_args: dict | None = None,
                  max_tool_calling_iterations: int = 10, timeout_s: float = 60.0) -> None:
-        if not server:
-            raise ValueError("agent_args.server: the MCP server's command line, as a list")
         self.functions = _functions(tuple(reward.items()))
         self.data = Dataset(data=data, reward=[], **data_args or {})
         self.env = SimpleNamespace(reset=lambda **row: None)      # the server keeps its own state

@@ -1,5 +1,4 @@
-"""TRL `environment_factory` classes, unchanged, as chat agent `trl` (docs/adapters/trl.md): as in
-GRPOTrainer, `reset(**row)` extends the prompt, methods are tools, get_reward/reward_funcs score."""
+"""TRL `environment_factory` classes, unchanged, as chat agent `trl` (docs/adapters/trl.md)."""
 
 from __future__ import annotations
 
