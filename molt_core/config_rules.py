@@ -177,14 +177,12 @@ def _validate_sampling(s: SamplingConfig) -> None:
     trainer does not reproduce is rejected rather than silently biasing every update."""
     why = {"top_k": (s.top_k > 0, 0), "top_p": (s.top_p < 1, 1.0), "min_p": (s.min_p > 0, 0.0),
            "repetition_penalty": (s.repetition_penalty != 1, 1.0)}
-    for key, (on, off) in why.items():
-        if on:
-            raise ConfigError(
-                f"sampling.{key}={getattr(s, key)}: the trainer cannot reproduce it, so the "
-                "behavior log-probs disagree with the trainer's ("
-                + ("the hf engine records them after the penalty, vLLM too"
-                   if key == "repetition_penalty" else
-                   "tokens are drawn from a truncated distribution; vLLM reports log-probs "
-                   "renormalised over the kept tokens, the hf engine those of the full one")
-                + f") and every ratio and importance weight is biased. Set sampling.{key}={off}")
+    _require([(not on, f"sampling.{key}={getattr(s, key)}: the trainer cannot reproduce it, so "
+               "the behavior log-probs disagree with the trainer's ("
+               + ("the hf engine records them after the penalty, vLLM too"
+                  if key == "repetition_penalty" else
+                  "tokens are drawn from a truncated distribution; vLLM reports log-probs "
+                  "renormalised over the kept tokens, the hf engine those of the full one")
+               + f") and every ratio and importance weight is biased. Set sampling.{key}={off}")
+              for key, (on, off) in why.items()])
 
