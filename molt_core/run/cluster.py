@@ -1,9 +1,6 @@
-"""Ray placement: start (or join) Ray, start trainer ranks and rollout engines, clean up.
-
-Each trainer rank and each engine is one Ray actor (one CPU rank reserving nothing: in the
-driver's process, `Policy`); what it reserves (GPUs, CPUs, custom resources that pin roles to
-nodes) comes from the config (`actor_options`), checked before anything starts (`check_resources`).
-"""
+"""Ray placement: start (or join) Ray, start trainer ranks and rollout engines (one Ray actor each,
+or in the driver: `embedded`), clean up; what each reserves: docs/scaling.md, "Roles and what they
+reserve" (`actor_options`, checked before anything starts by `check_resources`)."""
 
 from __future__ import annotations
 
