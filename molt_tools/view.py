@@ -21,7 +21,8 @@ from typing import Any, Callable, Iterator
 import yaml
 
 __all__ = ["add_args", "decoder", "iter_steps", "load_rows", "main", "read_trajectories",
-           "render_terminal", "step_record", "token_roles", "write_paged", "write_single"]
+           "render_terminal", "segment_links", "step_record", "token_roles", "write_paged",
+           "write_single"]
 
 Decode = Callable[[list[int]], dict[int, str]]
 
@@ -129,6 +130,18 @@ def _turns(row: dict[str, Any]) -> list[tuple[int, int]]:
     return out
 
 
+def segment_links(roles: list[str] | None) -> list[str]:
+    """Per segment, how it links to the one before (chat `info["segment_roles"]`, e.g. a
+    compaction's ["", "summary", ""]): "summary of segment 0", "continues from segment 1's
+    summary"; [] without roles."""
+    out = []
+    for k, role in enumerate(roles or ()):
+        prev = roles[k - 1] if k else ""
+        out.append(f"segment {k}: {role}" + (f" of segment {k - 1}" if k else "") if role else
+                   f"segment {k}: continues from segment {k - 1}'s {prev}" if prev else "")
+    return out
+
+
 def tokenizer_dir(run_dir: str | Path) -> Path:
     """RUN_DIR/final (the run's own copy), else the run's `model.path` if it is a directory here;
     a one-line RunDirError when neither is (a copied run dir whose model path was relative)."""
@@ -173,6 +186,7 @@ def _rollout(r: dict[str, Any]) -> dict[str, Any]:
             "ids": r["token_ids"], "roles": "".join(_ROLE[x] for x in token_roles(r)),
             "lp": r["behavior_logprobs"], "tlp": r["trainer_logprobs"], "versions": r["versions"],
             "segments": r["segments"], "turns": _turns(r), "info": r["info"],
+            "links": segment_links(json.loads(r["info"] or "{}").get("segment_roles")),
             "images": [{k: im[k] for k in ("start", "num_tokens", "ref")} for im in r["images"]],
             "vrange": [min(sampled), max(sampled)] if sampled else None,
             "gap": r.get("gap")}
@@ -257,9 +271,12 @@ def render_terminal(rows: list[dict[str, Any]], colour: str = "role", console: A
                      + ("  truncated" if r["truncated"] else ""))
         text = Text()
         ends = {b for _, b in r["turns"]}
+        links = segment_links(json.loads(r["info"] or "{}").get("segment_roles"))
         for i, (tok, role) in enumerate(zip(r["tokens"], r["roles"])):
-            if i in r["segments"] and i:
-                text.append(" ‖ ", style="bold red")
+            if i in r["segments"] and (i or links):
+                k = r["segments"].index(i)
+                text.append(f" ‖ {links[k]} ‖ " if links and links[k] else " ‖ " * bool(i),
+                            style="bold red")
             if colour == "version" and r["versions"][i] >= 0:
                 style = f"bold {palette[r['versions'][i] % len(palette)]}"
             elif colour == "gap" and role == "trainable" and r["trainer_logprobs"]:

@@ -38,6 +38,8 @@ main{flex:1;min-width:0}
 .prompt{background:#eceff1;color:#555}.trainable{background:#b9f6ca}.tool{background:#ffe0b2}
 .seg{display:inline-block;border-left:3px solid #d32f2f;height:1.2em;margin:0 4px;
  vertical-align:middle}
+.link{font:bold 11px system-ui;color:#fff;background:#d32f2f;border-radius:8px;padding:0 5px;
+ margin:0 3px}
 .turn{outline:1px dashed #1565c0;border-radius:3px}
 .treward{font:bold 11px system-ui;color:#fff;background:#1565c0;border-radius:8px;
  padding:0 5px;margin:0 3px}
@@ -123,12 +125,14 @@ function tip(e) {           // a token's tooltip, made when hovered (not for eve
       (r.tlp.length ? ` | trainer lp ${r.tlp[i]}` : '');
 }
 function rolloutHtml(r, k, vocab, step, mode) {
-  const segs = new Set(r.segments), ends = new Map(r.turns.map((t, k) => [t[1], k]));
+  const segs = new Map(r.segments.map((s, k) => [s, r.links[k]]));
+  const ends = new Map(r.turns.map((t, k) => [t[1], k]));
   const starts = new Set(r.turns.map(t => t[0]));
   const imgs = new Map(r.images.map(im => [im.start, im]));
   let out = '';
   for (let i = 0; i < r.ids.length; i++) {
-    if (segs.has(i) && i) out += '<span class="seg" title="new segment"></span>';
+    if (segs.has(i) && (i || segs.get(i))) out += '<span class="seg" title="new segment"></span>' +
+        (segs.get(i) ? `<span class="link">${esc(segs.get(i))}</span>` : '');
     if (starts.has(i)) out += '<span class="turn">';
     const im = imgs.get(i);
     if (im) { out += `<span class="img" title="image ${im.ref}">[image ${im.num_tokens} tokens]</span>`;
