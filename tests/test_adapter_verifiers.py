@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -34,6 +35,7 @@ from molt_core.engines.hf import HFEngine
 from molt_core.plugins import build_plugins
 from molt_core.trainer import train
 from molt_tools.imprint import imprint
+from molt_tools.commands import main
 from molt_tools.tiny import build_tiny_model
 
 from common import toy_recipe
@@ -173,13 +175,14 @@ def test_a_tool_env_trains_token_exactly_and_its_rubric_is_the_reward(caller_dir
         return outs
     monkeypatch.setattr(HFEngine, "generate_batch", generate_batch)
     cfg, plugins = load(toy_recipe(
-        tmp_path, caller_dir, sampling={"max_new_tokens": 32, "temperature": 0.3},
+        tmp_path, caller_dir, sampling={"max_new_tokens": 32},
         rollout={"groups_per_step": 1, "group_size": 4},
         trainer={"steps": 2, "micro_batch_size": 8},
         agent={"name": "chat", "args": {"agent": "verifiers", "agent_args": {
             "env": ENV_ID, "env_args": {"kind": "tool", "num_examples": 1}}}}), [])
     (tmp_path / "run").mkdir()
     history = train(cfg, plugins, tmp_path / "run", progress=False)
+    # none dropped: a malformed tool call (2 of the 8 here) is scored as text, as verifiers would
     assert len(history) == 2 and all(h["rollout/trajectories"] == 4 for h in history)
     tok = AutoTokenizer.from_pretrained(caller_dir)
     called = 0
@@ -205,3 +208,21 @@ def test_an_unknown_env_is_one_clear_error_before_anything_starts(tiny_model_dir
     with pytest.raises(ConfigError, match=r"agent.args.agent_args.env 'no-such-env': ValueError: "
                                           r"Could not import 'no-such-env' environment"):
         load(recipe, [])
+
+
+def test_the_docs_example_trains(tiny_chars_dir, tmp_path, monkeypatch, capsys):
+    doc = Path(__file__).parents[1] / "docs" / "adapters" / "verifiers.md"
+    blocks = dict(re.findall(r'```\w+ title="([^"]+)"\n(.*?)```', doc.read_text(), re.S))
+    assert set(blocks) == {"letters_env.py", "verifiers_letters.yaml"}
+    for name, body in blocks.items():
+        (tmp_path / name).write_text(body)
+    (tmp_path / ".cache").mkdir()
+    (tmp_path / ".cache" / "tiny-chars").symlink_to(tiny_chars_dir)
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "verifiers_letters.yaml", "trainer.steps=1", "--no-progress"]) == 0
+    assert "reward: first step" in capsys.readouterr().out
+    (run,) = (tmp_path / "runs").iterdir()
+    (saved,) = (run / "trajectories").glob("*.parquet")
+    infos = [json.loads(i) for i in pq.read_table(saved, columns=["info"])["info"].to_pylist()]
+    assert len(infos) == 64 and {i["example_id"] for i in infos} == set(range(7))
+    assert all(i["verifiers/next_letter"] in (0.0, 1.0) for i in infos)

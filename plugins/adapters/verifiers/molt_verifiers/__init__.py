@@ -1,12 +1,13 @@
-"""Environments written for `verifiers` (single-turn, multi-turn, tool envs), run unchanged as the
-chat agent `verifiers` (docs/adapters/verifiers.md): task i is row i (mod len) of the env's
-dataset, the env rolls it out against the loopback chat server through its own AsyncOpenAI
-client, and its rubric's score is the reward. Sampling stays the recipe's."""
+"""`verifiers` environments, unchanged, as chat agent `verifiers` (docs/adapters/verifiers.md):
+task i is row i (mod len) of the env's dataset, rolled out by the env through its own AsyncOpenAI
+client against the loopback chat server, sampling the recipe's; the reward is its rubric score."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
+import httpx
 import openai
 
 from molt_chat import ChatAgent, ChatContext
@@ -16,21 +17,28 @@ from molt_core.plugins import import_module
 
 __all__ = ["Verifiers", "environment"]
 
-_ENVS: dict[str, Any] = {}      # one env per (env, env_args): the runner builds an agent per rollout
+_ENVS: dict[str, Any] = {}      # per (env, env_args): the runner builds an agent per rollout
+
+
+class _StrictFinish(httpx.AsyncHTTPTransport):
+    """verifiers validates replies against OpenAI's types, which lack the server's finish_reason
+    "malformed_tool_call": such a reply reads as "stop" (text, no tool call), and is scored."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        r = await super().handle_async_request(request)
+        return httpx.Response(r.status_code, content=(await r.aread()).replace(
+            b'"malformed_tool_call"', b'"stop"'))
 
 
 def environment(env: str, env_args: dict | None = None) -> Any:
-    """`env` an id for `verifiers.load_environment` (an installed env module), or `module:attr`
-    (a file works: `./my_env.py:load_environment`), attr a `load_environment`-style function or
-    an env object."""
+    """`env`: an id for `verifiers.load_environment`, or `module:attr` / `./file.py:attr` (attr a
+    `load_environment`-style function or an env object)."""
     key = repr((env, sorted((env_args or {}).items())))
     if key not in _ENVS:
         import verifiers as vf
-        if ":" in env:
-            obj = getattr(import_module(env.rpartition(":")[0]), env.rpartition(":")[2])
-            obj = obj if isinstance(obj, vf.Environment) else obj(**(env_args or {}))
-        else:
-            obj = vf.load_environment(env, **(env_args or {}))
+        obj = getattr(import_module(env.rpartition(":")[0]), env.rpartition(":")[2]) \
+            if ":" in env else partial(vf.load_environment, env)
+        obj = obj if isinstance(obj, vf.Environment) else obj(**(env_args or {}))
         if not isinstance(obj, vf.Environment):
             raise TypeError(f"'{env}' gave {type(obj).__name__}, not a verifiers Environment")
         if obj.requires_group_rollouts:     # Molt scores each rollout alone
@@ -43,8 +51,7 @@ def environment(env: str, env_args: dict | None = None) -> Any:
 class Verifiers(ChatAgent):
     """`agent_args: {env: ID or module:attr, env_args: {...}}`; `timeout` (s) per model call."""
 
-    def __init__(self, *, env: str, env_args: dict | None = None,
-                 timeout: float = 600.0) -> None:
+    def __init__(self, *, env: str, env_args: dict | None = None, timeout: float = 600.0) -> None:
         self.env, self.env_args, self.timeout = env, env_args or {}, timeout
 
     async def run(self, ctx: ChatContext) -> float:
@@ -52,15 +59,13 @@ class Verifiers(ChatAgent):
         env = environment(self.env, self.env_args)
         rows = env.build_dataset() or env.get_eval_dataset()   # an eval-only env: its eval rows
         row = rows[ctx.task % len(rows)]
-        client = vf.OpenAIChatCompletionsClient(openai.AsyncOpenAI(
-            base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0, timeout=self.timeout))
-        try:        # sampling args {}: the recipe's (others would be a 400)
-            out = await env.run_rollout(row, client, ctx.model, {})
-        finally:
-            await client.close()
-        if out.get("error"):
+        http = httpx.AsyncClient(transport=_StrictFinish(), timeout=self.timeout)
+        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0,
+                                      timeout=self.timeout, http_client=http) as client:
+            out = await env.run_rollout(row, vf.OpenAIChatCompletionsClient(client), ctx.model, {})
+        if (err := out.get("error")) and err["error"] != "EmptyModelResponseError":  # scored
             raise RuntimeError(f"verifiers env '{self.env}', row {row['example_id']}: "
-                               f"{out['error']}")
+                               f"{out.get('error_chain') or err['message']}")
         ctx.info.update({"example_id": row["example_id"],
                          **{f"verifiers/{k}": v for k, v in (out.get("metrics") or {}).items()}})
         return float(out["reward"])
@@ -74,12 +79,11 @@ def molt_chat_agents() -> dict:
 @hookimpl
 def molt_configure(cfg: Config, plugins: Any) -> None:
     """A bad env (unknown id, wrong env_args, group rubric) is one error before anything starts."""
-    a = cfg.agent.args
-    if cfg.agent.name != "chat" or a.get("agent") != "verifiers":
-        return
-    args = a.get("agent_args") or {}
+    args = cfg.agent.args.get("agent_args") or {}
+    if cfg.agent.name != "chat" or cfg.agent.args.get("agent") != "verifiers" or "env" not in args:
+        return      # not this agent; no env: the chat plugin's check names the missing key
     try:
-        environment(args.get("env", ""), args.get("env_args"))
+        environment(args["env"], args.get("env_args"))
     except Exception as e:
-        raise ConfigError(f"agent.args.agent_args.env '{args.get('env')}': "
-                          f"{type(e).__name__}: {e}") from None
+        raise ConfigError(f"agent.args.agent_args.env '{args['env']}': {type(e).__name__}: "
+                          f"{e}") from None
