@@ -153,13 +153,12 @@ def build_plugins(plugins: list[str] = (), blocked: list[str] = ()) -> Plugins:
         pm.set_blocked(name)
     for mod in BUILTINS:
         _register(pm, importlib.import_module(mod), mod.rsplit(".", 1)[-1], info,
-                  {"distribution": "molt-core", "version": _version("molt-core")})
+                  {"distribution": "molt-core", "version": __version__})
     eps = _entry_points()
     for name, ep in eps.items():
         if name in blocked:
             continue
-        dist = getattr(ep.dist, "name", "?")
-        _register(pm, _load(ep), name, info, {"distribution": dist, "version": _version(dist)})
+        _register(pm, _load(ep), name, info, _dist(ep))
     selected = [Path(n).stem if _is_file(n) else n for n in plugins]
     for spec, name in zip(plugins, selected):
         if name in blocked:
@@ -288,11 +287,9 @@ def _guarded(fn: Callable, what: str, check: tuple[Callable, str] | None = None)
     return guarded
 
 
-def _version(dist: str) -> str:
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return "-"
+def _dist(ep: md.EntryPoint) -> dict[str, str]:
+    dist = ep.dist
+    return {"distribution": getattr(dist, "name", "?"), "version": getattr(dist, "version", "-")}
 
 
 def _load(ep: md.EntryPoint) -> ModuleType:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from molt_core.plugins import PluginError, _entry_points, _version, build_plugins
+from molt_core.plugins import PluginError, _dist, _entry_points, build_plugins
 
 
 def main(args: argparse.Namespace) -> int:
@@ -25,6 +25,5 @@ def version() -> str:
     except PluginError as e:
         return "\n".join([*lines, f"plugins: error: {e}"])
     for name, ep in sorted(eps.items()):
-        dist = getattr(ep.dist, "name", "?")
-        lines.append(f"  {name}: {dist} {_version(dist)}")
+        lines.append("  {}: {distribution} {version}".format(name, **_dist(ep)))
     return "\n".join(lines)

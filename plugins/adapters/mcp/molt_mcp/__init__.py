@@ -9,9 +9,6 @@ from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
-from mcp import ClientSession, StdioServerParameters
-from mcp.client.stdio import stdio_client
-
 from molt_chat import ChatContext
 from molt_core import hookimpl
 from molt_gym.envs import Dataset, _functions
@@ -24,6 +21,8 @@ _HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # event loop ->
 
 async def _hold(server: list[str], timeout: timedelta, ready: asyncio.Future) -> None:
     """The server stays up until the event loop ends; a failed start is `ready`'s error."""
+    from mcp import ClientSession, StdioServerParameters   # here: `molt plugins` stays fast
+    from mcp.client.stdio import stdio_client
     try:
         async with stdio_client(StdioServerParameters(command=server[0], args=server[1:])) as io, \
                 ClientSession(*io, read_timeout_seconds=timeout) as session:
@@ -38,8 +37,8 @@ async def _hold(server: list[str], timeout: timedelta, ready: asyncio.Future) ->
                                              f"{type(e).__name__}: {e} (agent_args.server)"))
 
 
-async def connect(server: list[str], timeout: timedelta) -> tuple[ClientSession, list]:
-    """The session and tools of stdio server `server`, started once per event loop."""
+async def connect(server: list[str], timeout: timedelta) -> tuple[Any, list]:
+    """The `mcp.ClientSession` and tools of stdio server `server`, started once per event loop."""
     held = _HELD.setdefault(asyncio.get_running_loop(), {})
     if tuple(server) not in held:
         ready = asyncio.get_running_loop().create_future()
@@ -47,7 +46,7 @@ async def connect(server: list[str], timeout: timedelta) -> tuple[ClientSession,
     return await asyncio.shield(held[tuple(server)][1])     # one cancelled rollout: not all
 
 
-def _tool(session: ClientSession, name: str, timeout: timedelta) -> Any:
+def _tool(session: Any, name: str, timeout: timedelta) -> Any:
     async def call(**arguments: Any) -> str:
         r = await session.call_tool(name, arguments, read_timeout_seconds=timeout)
         return "\n".join(c.text if c.type == "text" else c.model_dump_json() for c in r.content)

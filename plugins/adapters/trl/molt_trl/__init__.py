@@ -7,9 +7,6 @@ import inspect
 import json
 from typing import Any
 
-import openai
-from transformers.utils import get_json_schema
-
 from molt_chat import ChatAgent, ChatContext
 from molt_core import hookimpl
 from molt_core.plugins import import_module
@@ -27,6 +24,7 @@ class TRLEnvironment(ChatAgent):
 
     def __init__(self, *, environment: str, data: str | None = None, data_args: dict | None = None,
                  reward: dict | None = None, max_tool_calling_iterations: int = 10) -> None:
+        from transformers.utils import get_json_schema     # here: `molt plugins` stays fast
         self.functions = _functions(tuple((reward or {}).items()))     # {module:function: weight}
         self.env = getattr(import_module(environment.rpartition(":")[0]),
                            environment.rpartition(":")[2])()
@@ -40,6 +38,7 @@ class TRLEnvironment(ChatAgent):
         self.max_calls = max_tool_calling_iterations
 
     async def run(self, ctx: ChatContext) -> float:
+        import openai
         if self.data:
             await self.data.reset(ctx.task)         # the task's row; epochs by the run's seed
         row = dict(self.data.row if self.data else {"prompt": [{"role": "user", "content": ""}]})
