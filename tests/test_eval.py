@@ -129,3 +129,43 @@ def test_eval_leaves_the_training_samples_unchanged(ray_local, tiny_recipe, tmp_
     on = run("on", "eval.every=1", "eval.prompts=2", "eval.k=2")
     assert len(on[1]) == len(off[1]) == 3 * 2 * 4
     assert on == off
+
+
+SPLIT_AGENTS = '''
+from molt_chat import ChatAgent
+from molt_core import hookimpl
+
+
+class Split(ChatAgent):
+    def __init__(self, split: str = "train") -> None:
+        self.split = split
+
+
+class NoSplit(ChatAgent):
+    pass
+
+
+@hookimpl
+def molt_chat_agents():
+    return {"split_agent": Split, "no_split": NoSplit}
+'''
+
+
+def test_eval_takes_a_chat_agent_whose_class_has_a_test_split(tiny_recipe, tmp_path):
+    """The chat agent follows the gym rule: held out when eval selects `split: test` and the
+    agent's class takes `split`; otherwise eval is refused before anything starts."""
+    from molt_core.rollout.eval import eval_agent
+    from transformers import AutoTokenizer
+    (tmp_path / "split_agents.py").write_text(SPLIT_AGENTS)
+    common = ["agent.name=chat", "eval.every=1"]
+    plugin = [str(tmp_path / "split_agents.py")]
+    cfg, plugins = load(tiny_recipe, [*common, "agent.args={agent: split_agent}",
+                                      "eval.agent_args={agent_args: {split: test}}"], plugin)
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    agent = eval_agent(cfg, plugins, tok)
+    assert agent.held_out and agent.agent_args == {"split": "test"}
+    for args, ev in (("{agent: split_agent}", "{}"), ("{agent: no_split}", "{agent_args: {}}")):
+        cfg, plugins = load(tiny_recipe, [*common, f"agent.args={args}", f"eval.agent_args={ev}"],
+                            plugin)
+        with pytest.raises(ConfigError, match="agent 'chat'.* serves no held-out split"):
+            eval_agent(cfg, plugins, tok)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,8 @@ class ChatRunner:
                  max_request_mb: float = 8.0) -> None:
         self.agent_cls = plugins.get("chat_agent", agent)   # registered by `molt_chat_agents`
         self.agent_args = agent_args or {}
+        self.held_out = self.agent_args.get("split") == "test" and \
+            "split" in inspect.signature(self.agent_cls).parameters   # eval: as molt_gym's rule
         require_chat_template(tokenizer)
         self.tok = tokenizer
         self.max_segments = max_segments
