@@ -619,7 +619,8 @@ def test_malformed_tool_call_is_flagged(api_model_dir, tok):
         return r, traj
 
     r, traj = run(main())
-    assert r.choices[0].finish_reason == "malformed_tool_call"
+    # an OpenAI finish reason (SDKs and libraries that validate it accept the reply), and Molt's flag
+    assert r.choices[0].finish_reason == "stop" and r.model_extra["molt"]["malformed_tool_call"]
     assert r.choices[0].message.content == MALFORMED and not r.choices[0].message.tool_calls
     assert traj.info["malformed_tool_calls"] == 1
 

@@ -322,10 +322,9 @@ def openai_response(r: Reply, content: str, calls: list, malformed: bool, model:
             raw_args[cid] = raw
             msg["tool_calls"].append({"id": cid, "type": "function",
                                       "function": {"name": name, "arguments": raw}})
-    finish = ("length" if r.finish_reason == "length" else "malformed_tool_call" if malformed
-              else "tool_calls" if calls else "stop")
+    finish = "length" if r.finish_reason == "length" else "tool_calls" if calls else "stop"
     return {"id": "chatcmpl-" + secrets.token_hex(8), "object": "chat.completion",
-            "created": int(time.time()), "model": model,
+            "created": int(time.time()), "model": model, "molt": {"malformed_tool_call": malformed},
             "choices": [{"index": 0, "message": msg, "finish_reason": finish,
                          "logprobs": None if logprobs is None else {"content": logprobs}}],
             "usage": {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
@@ -340,10 +339,11 @@ def anthropic_response(r: Reply, content: str, calls: list, malformed: bool, mod
         raw_args[cid] = raw
         blocks.append({"type": "tool_use", "id": cid, "name": name,
                        "input": args if isinstance(args, dict) else {"value": args}})
-    stop = ("max_tokens" if r.finish_reason == "length" else "malformed_tool_call" if malformed
-            else "tool_use" if calls else "stop_sequence" if r.stop_sequence else "end_turn")
+    stop = ("max_tokens" if r.finish_reason == "length" else "tool_use" if calls
+            else "stop_sequence" if r.stop_sequence else "end_turn")
     return {"id": "msg_" + secrets.token_hex(8), "type": "message", "role": "assistant",
             "model": model, "content": blocks, "stop_reason": stop,
+            "molt": {"malformed_tool_call": malformed},
             "stop_sequence": r.stop_sequence,
             "usage": {"input_tokens": r.prompt_tokens, "output_tokens": r.completion_tokens}}
 

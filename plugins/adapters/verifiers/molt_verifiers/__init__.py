@@ -17,21 +17,6 @@ __all__ = ["Verifiers", "environment"]
 _ENVS: dict[str, Any] = {}      # per (env, env_args): the runner builds an agent per rollout
 
 
-def _client(base_url: str, api_key: str, timeout: float) -> Any:
-    """AsyncOpenAI whose finish_reason "malformed_tool_call" (no OpenAI value; verifiers validates
-    replies against OpenAI's types) reads as "stop": the reply is text, and scored."""
-    import httpx
-    import openai
-
-    class StrictFinish(httpx.AsyncHTTPTransport):
-        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-            r = await super().handle_async_request(request)
-            return httpx.Response(r.status_code, content=(await r.aread()).replace(
-                b'"malformed_tool_call"', b'"stop"'))
-    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout,
-                              http_client=httpx.AsyncClient(transport=StrictFinish()))
-
-
 def environment(env: str, env_args: dict | None = None) -> Any:
     """`env`: a `verifiers.load_environment` id, or `module:attr` (attr: a function, or an env)."""
     key = repr((env, sorted((env_args or {}).items())))
@@ -56,11 +41,13 @@ class Verifiers(ChatAgent):
         self.env, self.env_args, self.timeout = env, env_args or {}, timeout
 
     async def run(self, ctx: ChatContext) -> float:
+        import openai
         import verifiers as vf
         env = environment(self.env, self.env_args)
         rows = env.build_dataset() or env.get_eval_dataset()   # an eval-only env: its eval rows
         row = rows[ctx.task % len(rows)]
-        async with _client(ctx.base_url, ctx.api_key, self.timeout) as client:
+        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key,
+                                      max_retries=0, timeout=self.timeout) as client:
             out = await env.run_rollout(row, vf.OpenAIChatCompletionsClient(client), ctx.model, {})
         if (err := out.get("error")) and err["error"] != "EmptyModelResponseError":  # scored
             raise RuntimeError(f"verifiers env '{self.env}', row {row['example_id']}: "
