@@ -4,13 +4,11 @@ process, median of 3 after a warm-up (target: under 1.5 s each on the 2-core CPU
     python bench/cli_speed.py [MODEL_DIR]     # MODEL_DIR: the recipe's model (default .cache/tiny-chars)
 
 Measured 2026-12-02 (2 cores, other sessions' tests running beside it), before -> after issue 28:
---version 11.6 -> 0.29 s (entry-point metadata, no plugin import); -h 0.12 -> 0.09 s.
-Loading the plugins without torch/transformers/FastAPI (molt_core.lazy, "module:Class" engines
-and trainer backends), 12.4 / 11.7 / 19.1 s -> plugins 0.89 s, validate 9.1 s, config 8.5 s
-(plugins 4.1 s while the new gigpo/turn_rloo estimators import torch at their top). validate and
-config still import torch, transformers and ray (~8 s) through the engine and trainer backend
-they check: molt_core.engines.hf (torch, transformers, weight_sync -> ray) and
-molt_core.policy.handle; without those two imports validate takes 0.75 s.
+--version 11.6 -> 0.29 s (entry-point metadata, no plugin import); -h 0.12 -> 0.09 s; loading the
+plugins without torch/transformers/FastAPI (molt_core.lazy, "module:Class" engines and trainer
+backends, adapters importing their library where it is used): plugins 12.4 -> 0.79 s,
+validate 11.7 -> 0.68 s, config 19.1 -> 1.03 s (this script at nice -10 beside a nice 5 training
+run, load 2.2; CPU time 0.31 / 0.11 / 0.88 / 0.79 / 1.14 s).
 """
 
 from __future__ import annotations
