@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,18 @@ from pathlib import Path
 import pytest
 
 from molt_tools.tiny import build_tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _forget_modules_from_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Modules a test imported from its tmp dir (a recipe's `rewards.py`, a `./file.py` plugin)
+    are dropped after it: the next test's `rewards:fn` must import its own `rewards`."""
+    before = set(sys.modules)
+    yield
+    base = str(tmp_path_factory.getbasetemp())
+    for name in set(sys.modules) - before:
+        if (getattr(sys.modules[name], "__file__", None) or "").startswith(base):
+            del sys.modules[name]
 
 
 @pytest.fixture(scope="session")
