@@ -19,19 +19,20 @@ __all__ = ["imprint"]
 def imprint(model_dir: str | Path, out_dir: str | Path, examples: list[tuple[str, str]], *,
             steps: int = 300, lr: float = 1e-2, tol: float | None = 0.01,
             batch_size: int | None = None, clip: float | None = None, decay: bool = False,
-            seed: int = 0) -> Path:
+            seed: int = 0, threads: int = 1) -> Path:
     """Fine-tune on (prompt_text, reply_text) pairs, loss on the reply only, for up to `steps`
     Adam steps on random mini-batches (all examples when `batch_size` is None), gradient norm
     clipped to `clip`, lr decayed linearly to 0 with `decay` (so that a reply's first token ends
     close to its frequency among the examples). With `tol`, stop once the mean loss is below it
-    and raise if it never is. Save model + tokenizer to `out_dir`."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)      # tiny model: threads only add overhead (and spin on a busy box)
+    and raise if it never is. Save model + tokenizer to `out_dir`. `threads`: torch's, for the
+    call (1 suits a tiny model: more only add overhead and spin on a busy box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         return _imprint(model_dir, out_dir, examples, steps, lr, tol, batch_size, clip, decay,
                         seed)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 def _imprint(model_dir: str | Path, out_dir: str | Path, examples: list[tuple[str, str]],
