@@ -84,7 +84,7 @@ def build_agent_model(out_dir: Path = AGENT_MODEL, base: Path = BASE) -> Path:
 
 
 def sampled_tool_use(run_dir: Path) -> list[float]:
-    """Per training step, the share of sampled episodes that called the tool (saved trajectories)."""
+    """Per training step, the share of sampled episodes that called the tool (trajectories)."""
     import pyarrow.parquet as pq
 
     rows = [r for f in sorted((run_dir / "trajectories").glob("*.parquet"))
