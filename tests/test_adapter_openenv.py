@@ -49,7 +49,7 @@ def echo_url(tmp_path_factory: pytest.TempPathFactory):
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    while not server.started and thread.is_alive():     # a hang: pytest-timeout's, not a deadline
+    while not server.started and thread.is_alive():     # a hang is pytest-timeout's to stop
         time.sleep(0.05)
     assert server.started, "the OpenEnv server did not start"
     try:
