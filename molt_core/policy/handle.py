@@ -8,6 +8,7 @@ import functools
 import math
 import types
 from dataclasses import asdict
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -83,8 +84,12 @@ class Policy:
         self._prox: torch.Tensor | None = None
         actor_options = actor_options or {"num_cpus": 0, "resources": {},
                                           "num_gpus": int(torch.cuda.is_available())}
-        options, host, port, self._pg = cluster.rank_placement(n, actor_options,
-                                                               trainer_cfg.timeout_s)
+        options, host, self._pg = cluster.rank_placement(n, actor_options, trainer_cfg.timeout_s)
+        # The ranks' rendezvous store lives here, on a port the OS picks as it binds (a port
+        # found free and bound later by rank 0 was taken meanwhile once: EADDRINUSE).
+        self._store = dist.TCPStore(host, 0, None, True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=trainer_cfg.timeout_s))
+        port = self._store.port
         args = dict(dtype=dtype, trainer=asdict(trainer_cfg), seed=seed, num_threads=num_threads)
         # one process group per process; a rank that reserves something is placed by Ray
         self.in_driver = (trainer_cfg.in_driver and n == 1 and not torch.cuda.is_available()
@@ -250,3 +255,4 @@ class Policy:
         if self._pg is not None:
             ray.util.remove_placement_group(self._pg)
             self._pg = None
+        self._store = None

@@ -47,10 +47,10 @@ class PolicyWorker:
         self.rank, self.world_size, self.cfg = rank, world_size, trainer
         cuda = torch.cuda.is_available()
         self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
-        dist.init_process_group("nccl" if cuda else "gloo",
-                                init_method=f"tcp://{master_addr}:{master_port}",
-                                rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=trainer["timeout_s"]))
+        timeout = timedelta(seconds=trainer["timeout_s"])
+        store = dist.TCPStore(master_addr, master_port, world_size, False, timeout=timeout)
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank,
+                                world_size=world_size, timeout=timeout)
         # FSDP2 averages grads over the data-parallel ranks; the loss is scaled back by it.
         self.grad_scale = world_size
         model = self._build_model(model_path, _DTYPES[dtype])

@@ -8,7 +8,6 @@ import gc
 import logging
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -183,27 +182,25 @@ def spawn_engine(cfg: Config, plugins: Any, index: int, suffix: str = "",
         cfg.model.path, **{"num_threads": threads, **engine_kwargs(cfg, index)})
 
 
-def _address(loopback: bool) -> tuple[str, int]:
-    """A free port on this node: 127.0.0.1, or the node's IP for ranks on other nodes."""
-    host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return host, s.getsockname()[1]
+def _host(loopback: bool) -> str:
+    """The ranks' rendezvous address (the driver's): 127.0.0.1, or its IP for remote ranks."""
+    return "127.0.0.1" if loopback else ray.util.get_node_ip_address()
 
 
-def rank_placement(n: int, options: dict, timeout_s: float) -> tuple[list[dict], str, int, Any]:
-    """Ray options of each of `n` trainer ranks, their process-group address (rank 0's node;
-    loopback when every rank shares one node) and the placement group to remove at shutdown.
+def rank_placement(n: int, options: dict, timeout_s: float) -> tuple[list[dict], str, Any]:
+    """Ray options of each of `n` trainer ranks, the host of their rendezvous store (the
+    driver's; loopback when every rank shares its node) and the placement group to remove at
+    shutdown.
 
     One node, or ranks reserving nothing: plain actors on the driver's node. Several nodes: a
-    PACK placement group of one bundle per rank, so rank 0's node is known before ranks start."""
+    PACK placement group of one bundle per rank, so their nodes are known before they start."""
     if not ray.is_initialized():            # embedded: the one rank is in the driver
-        return [options] * n, *_address(True), None
+        return [options] * n, _host(True), None
     need = reserved(options)
     if not need or sum(node["Alive"] for node in ray.nodes()) == 1:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        return [{**options, "scheduling_strategy": here}] * n, *_address(True), None
+        return [{**options, "scheduling_strategy": here}] * n, _host(True), None
     from ray.util.placement_group import placement_group, placement_group_table
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     pg = placement_group([need] * n, strategy="PACK")
@@ -214,9 +211,8 @@ def rank_placement(n: int, options: dict, timeout_s: float) -> tuple[list[dict],
     nodes = set(placement_group_table(pg)["bundles_to_node_id"].values())
     in_bundle = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
                  for i in range(n)]
-    host, port = ray.get(ray.remote(_address).options(
-        num_cpus=0, scheduling_strategy=in_bundle[0]).remote(len(nodes) == 1), timeout=timeout_s)
-    return [{**options, "scheduling_strategy": s} for s in in_bundle], host, port, pg
+    host = _host(nodes == {ray.get_runtime_context().get_node_id()})
+    return [{**options, "scheduling_strategy": s} for s in in_bundle], host, pg
 
 
 def reserved(opts: dict) -> dict[str, float]:
