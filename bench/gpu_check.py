@@ -43,7 +43,6 @@ import math
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -210,11 +209,13 @@ def in_process_policy(cfg: Any, threads: int) -> Any:
     policy.cfg, policy.replicas, policy._prox, policy._pg = cfg.trainer, 1, None, None
     policy.nonfinite_steps = policy._nonfinite_run = 0
     policy.in_driver, policy._threads, policy.workers = True, torch.get_num_threads(), []
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    policy._store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=cfg.trainer.timeout_s))
     policy.workers = [_InDriver(PolicyWorker(
-        0, 1, "127.0.0.1", port, cfg.model.path, dtype=cfg.model.dtype, trainer=asdict(cfg.trainer),
+        0, 1, "127.0.0.1", policy._store.port, cfg.model.path, dtype=cfg.model.dtype, trainer=asdict(cfg.trainer),
         seed=cfg.seed, num_threads=threads))]
     return policy
 
