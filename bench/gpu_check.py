@@ -205,18 +205,15 @@ def in_process_policy(cfg: Any, threads: int) -> Any:
     import torch
     from molt_core.policy.handle import Policy, _InDriver
     from molt_core.policy.worker import PolicyWorker
+    from molt_core.run import cluster
     policy = Policy.__new__(Policy)
     policy.cfg, policy.replicas, policy._prox, policy._pg = cfg.trainer, 1, None, None
     policy.nonfinite_steps = policy._nonfinite_run = 0
     policy.in_driver, policy._threads, policy.workers = True, torch.get_num_threads(), []
-    from datetime import timedelta
-
-    import torch.distributed as dist
-    policy._store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
-                                  timeout=timedelta(seconds=cfg.trainer.timeout_s))
+    policy._store = cluster.rendezvous("127.0.0.1", cfg.trainer.timeout_s)
     policy.workers = [_InDriver(PolicyWorker(
-        0, 1, "127.0.0.1", policy._store.port, cfg.model.path, dtype=cfg.model.dtype, trainer=asdict(cfg.trainer),
-        seed=cfg.seed, num_threads=threads))]
+        0, 1, "127.0.0.1", policy._store.port, cfg.model.path, dtype=cfg.model.dtype,
+        trainer=asdict(cfg.trainer), seed=cfg.seed, num_threads=threads))]
     return policy
 
 

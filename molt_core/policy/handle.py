@@ -8,7 +8,6 @@ import functools
 import math
 import types
 from dataclasses import asdict
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -85,10 +84,7 @@ class Policy:
         actor_options = actor_options or {"num_cpus": 0, "resources": {},
                                           "num_gpus": int(torch.cuda.is_available())}
         options, host, self._pg = cluster.rank_placement(n, actor_options, trainer_cfg.timeout_s)
-        # The ranks' rendezvous store lives here, on a port the OS picks as it binds (a port
-        # found free and bound later by rank 0 was taken meanwhile once: EADDRINUSE).
-        self._store = dist.TCPStore(host, 0, None, True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=trainer_cfg.timeout_s))
+        self._store = cluster.rendezvous(host, trainer_cfg.timeout_s)
         port = self._store.port
         args = dict(dtype=dtype, trainer=asdict(trainer_cfg), seed=seed, num_threads=num_threads)
         # one process group per process; a rank that reserves something is placed by Ray

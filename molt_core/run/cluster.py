@@ -4,6 +4,7 @@ reserve" (`actor_options`, checked before anything starts by `check_resources`).
 
 from __future__ import annotations
 
+import datetime
 import gc
 import logging
 import math
@@ -185,6 +186,14 @@ def spawn_engine(cfg: Config, plugins: Any, index: int, suffix: str = "",
 def _host(loopback: bool) -> str:
     """The ranks' rendezvous address (the driver's): 127.0.0.1, or its IP for remote ranks."""
     return "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+
+
+def rendezvous(host: str, timeout_s: float) -> Any:
+    """The ranks' rendezvous store, served here on a port the OS picks as it binds (a port found
+    free and bound later by rank 0 was taken meanwhile once: EADDRINUSE)."""
+    import torch.distributed as dist
+    return dist.TCPStore(host, 0, None, True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def rank_placement(n: int, options: dict, timeout_s: float) -> tuple[list[dict], str, Any]:
