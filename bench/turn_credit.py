@@ -28,9 +28,11 @@ TASK = ["agent.args.env=turn_letters", "agent.args.env_args={}", "agent.args.max
         "agent.args.chat_template=false", "log.trajectories_every=0"]
 
 
-def rewards(estimator: str, seed: int, steps: int, model: str) -> list[float]:
+def rewards(estimator: str, seed: int, steps: int, model: str,
+            overrides: tuple[str, ...] = ()) -> list[float]:
     cfg, plugins = load(RECIPE, [f"model.path={model}", f"trainer.steps={steps}", f"seed={seed}",
-                                 f"algorithm.estimator={estimator}", *TASK], ["turn_env"])
+                                 f"algorithm.estimator={estimator}", *TASK, *overrides],
+                        ["turn_env"])
     return [h["reward/mean"] for h in train(cfg, plugins, None, progress=False)]
 
 
@@ -48,11 +50,12 @@ def main() -> None:
     p.add_argument("--estimators", nargs="+", default=["grpo", "turn_rloo", "gigpo"])
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.6, 0.9])
     p.add_argument("--model", default=".cache/tiny-chars")
+    p.add_argument("overrides", nargs="*", help="key=value recipe overrides for every run")
     a = p.parse_args()
     print(f"{'estimator':<10} {'threshold':>9}  {'steps per seed':<22} {'median':>6}  final (last 5)")
     for est in a.estimators:
         t0 = time.perf_counter()
-        curves = [rewards(est, s, a.steps, a.model) for s in a.seeds]
+        curves = [rewards(est, s, a.steps, a.model, tuple(a.overrides)) for s in a.seeds]
         final = [sum(c[-5:]) / 5 for c in curves]
         for th in a.thresholds:
             n = [steps_to(c, th) for c in curves]
