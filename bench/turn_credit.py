@@ -6,7 +6,8 @@ median over seeds.
 
 Task: env `turn_letters` (tests/turn_env.py): turn k shows the digit k, the right reply is "abc"[k]
 (1/3 reward each), a wrong reply ends the episode; tiny random-init character model, recipe
-recipes/cpu/guess_number.yaml (16 groups x 8, lr 0.003, 1 token per turn). `gigpo` runs with its
+recipes/cpu/guess_number.yaml (16 groups x 8, lr 0.003, 1 token per turn), entropy bonus 0.02
+(`algorithm.terms.entropy_coef=0` as an override shows the stall without it). `gigpo` runs with its
 defaults (omega 1, gamma 0.95). "-" = not reached within --steps. Results: docs/algorithms.md.
 """
 
@@ -25,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))    # the 
 
 RECIPE = "recipes/cpu/guess_number.yaml"
 TASK = ["agent.args.env=turn_letters", "agent.args.env_args={}", "agent.args.max_turns=3",
-        "agent.args.chat_template=false", "log.trajectories_every=0"]
+        "agent.args.chat_template=false", "log.trajectories_every=0",
+        "algorithm.terms.entropy_coef=0.02"]
 
 
 def rewards(estimator: str, seed: int, steps: int, model: str,
