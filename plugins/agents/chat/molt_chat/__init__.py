@@ -122,6 +122,5 @@ def molt_configure(cfg: Config, plugins: Any) -> None:
 
 @hookimpl
 def molt_chat_agents() -> dict:
-    from molt_chat.agents_sdk import AgentsCalculator
-    from molt_chat.calculator import Calculator
+    from molt_tools.chat_calculator import AgentsCalculator, Calculator     # the example agents
     return {"calculator": Calculator, "agents_calculator": AgentsCalculator}

@@ -1,4 +1,5 @@
-"""Example chat agent: answer "What is a + b?", where calling the calculator tool pays.
+"""Example chat agents of the chat calculator recipe (registered by `molt_chat` as `calculator`
+and `agents_calculator`): answer "What is a + b?", where calling the calculator tool pays.
 
 Turn 1: the policy answers directly or calls `calculator`; on a call the agent sends the result
 back as a tool message (masked) and the policy answers in turn 2. Reward: 1 if the final answer's
@@ -7,6 +8,11 @@ first number is a + b, else 0, per turn (`[answer]`, or `[0, answer]` after a ca
 The CPU recipe's policy (`molt_tools.calculator_model.build_model`) is taught both behaviours by a
 short SFT: it calls the calculator on a fifth of the questions and guesses the rest. A guess is
 right about one time in 15, the calculator nearly always: RL has to learn *when to use the tool*.
+
+`AgentsCalculator` is the same task on a stock OpenAI Agents SDK `Agent` (Responses API, a
+function tool), nothing Molt-specific beyond the client (`OpenAIResponsesModel` on
+`ctx.base_url`). A reply cut at `max_new_tokens` is a Responses `incomplete` status, which the SDK
+raises on: the rollout then scores 0 (its tokens are still trained on).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any
 
 from molt_chat import ChatAgent, ChatContext
 
-__all__ = ["Calculator", "TOOL", "evaluate"]
+__all__ = ["AgentsCalculator", "Calculator", "TOOL", "evaluate"]
 
 TOOL = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression",
@@ -129,3 +135,33 @@ class Calculator(ChatAgent):
                               "content": self._result(uses[0].input)}]}]
             r = await client.messages.create(messages=messages, **kw)
             return [0.0, 0.0], text(r)
+
+
+class AgentsCalculator(Calculator):
+    async def run(self, ctx: ChatContext) -> float:   # type: ignore[override]
+        import openai
+        from agents import (Agent, FunctionTool, MaxTurnsExceeded, ModelBehaviorError,
+                            OpenAIResponsesModel, Runner, set_tracing_disabled)
+
+        set_tracing_disabled(True)       # the SDK would export traces to OpenAI's servers
+        question, answer = self.question(ctx.task)
+        ctx.info["question"] = question
+
+        async def calculator(_: object, arguments: str) -> str:
+            return self._result(arguments)
+
+        fn = TOOL["function"]
+        tool = FunctionTool(name=fn["name"], description=fn["description"],
+                            params_json_schema=fn["parameters"], on_invoke_tool=calculator,
+                            strict_json_schema=False)
+        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key,
+                                      max_retries=0) as client:
+            agent = Agent(name="calculator", model=OpenAIResponsesModel(ctx.model, client),
+                          tools=[tool])
+            try:
+                result = await Runner.run(agent, question, max_turns=3)
+            except (ModelBehaviorError, MaxTurnsExceeded) as e:
+                ctx.info["agent_stopped"] = type(e).__name__
+                return 0.0
+        ctx.info["answer"] = result.final_output
+        return float(_first_int(str(result.final_output)) == answer)
