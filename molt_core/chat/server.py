@@ -1,23 +1,11 @@
 """Loopback OpenAI + Anthropic compatible chat server with token-exact capture per rollout.
 
-What it serves, and the rules a chat agent sees: docs/agents.md. Each rollout gets a *session*
-(`/s/{session}/...`, its own random bearer token); the server renders each request with the
-model's chat template, generates in token space with the rollout's
-`generate(prompt_ids, sampling) -> Completion`, and records the session's `Trajectory`:
-
-- If a request's messages extend the previous request's and the new rendering starts with the
-  text the session's tokens spell, only the new suffix is tokenized (masked) and appended; the
-  sampled reply ids are appended unchanged (`add_completion`), never re-tokenized. Otherwise (a
-  template that drops earlier `<think>` blocks re-renders history) a new *segment* starts from
-  the full rendering; the trainer treats each segment as its own sequence (`split_segments`).
-- Retries, fresh samples (`_rollback`), `stop`, tool calls and limits: docs/agents.md. A token
-  straddling a stop string's start is dropped too; tool calls are parsed from the reply text,
-  the sampled tokens stay as sampled. Images: `molt_core.multimodal`; streaming: `chat.stream`.
-
-Large bodies are parsed, rendered and tokenized off the event loop. The server binds 127.0.0.1
-only, on a random port: one per process and event loop (`shared_server()`), started lazily on the
-running loop (the generator's), where all sessions are served concurrently.
-"""
+Each rollout gets a session (`/s/{session}/...`, its own bearer token); every request is rendered
+with the model's chat template and generated in token space by the rollout's `generate`. A request
+that extends the previous one appends only its new text, tokenized and masked, then the sampled ids
+as sampled (`add_completion`), never re-tokenized; otherwise (a template that re-renders history)
+a new segment starts from the whole rendering. What it serves, the rules an agent sees, how it is
+served: docs/agents.md and docs/plugins.md ("molt_chat_agents")."""
 
 from __future__ import annotations
 
@@ -164,7 +152,8 @@ class ChatSession:
         self._cache.pop(last.key, None)
 
     def _cut(self, c: Completion, stop: list[str]) -> tuple[Completion, str | None]:
-        """The completion up to (excluding) the first stop string in its text, if any."""
+        """The completion up to (excluding) the first stop string in its text, if any (a token
+        straddling the stop string's start goes too)."""
         text = self._decode(c.token_ids)
         hits = sorted((text.find(s), i, s) for i, s in enumerate(stop) if s in text)
         if not hits:
