@@ -1,12 +1,7 @@
-"""Actor -> engines weight sync: every trainer rank gathers, rank 0 sends versioned buckets.
-
-Each rank's `push_weights` gathers full tensors (a collective, so all ranks must take part); rank 0
-cuts them into buckets of `trainer.weight_sync_bucket_mb` and sends each to every engine, then
-asks each engine to check that every one of its parameters was assigned (`finish_weight_update`).
-Transports (`ray`: Ray objects, or the tensors themselves to embedded engines; `broadcast`: a
-standalone gloo/NCCL group `WeightGroup` of rank 0 and every engine worker, from its own
-TCPStore; `shm`: two shared-memory files filled and loaded in turn) and checksums (a parameter
-whose bytes differ is a `WeightMismatchError`): docs/scaling.md, "Weight sync"."""
+"""Actor -> engines weight sync: every trainer rank gathers (a collective, so all ranks take part),
+rank 0 sends versioned buckets of `trainer.weight_sync_bucket_mb` to every engine, then each
+engine checks every parameter was assigned. Transports (`ray`, `broadcast`: the `WeightGroup`,
+`shm`: the `ShmChannel`) and checksums (`WeightMismatchError`): docs/scaling.md, "Weight sync"."""
 
 from __future__ import annotations
 
@@ -24,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from molt_core.run import actors
+from molt_core.run.cluster import rendezvous
 
 __all__ = ["Meta", "ShmChannel", "WeightGroup", "WeightMismatchError", "WeightSyncError",
            "checksums", "connect", "pack", "push", "send", "unpack"]
@@ -153,8 +149,7 @@ def connect(engines: list, timeout_s: float, transport: str = "broadcast"
     world = 1 + sum(ranks)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     host = "127.0.0.1" if {ip for _, ip in info} <= {me} else me   # loopback unless remote peers
-    store = dist.TCPStore(host, 0, world, True, timeout=timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
+    store = rendezvous(host, timeout_s)
     refs = [e.join_weight_group.remote(host, store.port, 1 + sum(ranks[:i]), world, backend,
                                        timeout_s) for i, e in enumerate(engines)]
     try:
