@@ -170,9 +170,14 @@ def test_versions_switch_at_a_broadcast_sync(setup, tiny_model_dir):
     v1 = policy.full_params()
     train_step(policy, 3)
     v2 = policy.full_params()
+    before = ray.get(a.stats.remote(), timeout=60)["tokens_generated"]
     ref = a.generate.remote(PROMPTS[0], {**SAMPLING, "max_new_tokens": 300})
-    time.sleep(0.3)
+    # Hold the generation mid-way (as the partial scheme does at a sync), whatever the box's load.
+    while ray.get(a.stats.remote(), timeout=60)["tokens_generated"] < before + 5:
+        pass
+    ray.get(a.pause.remote(), timeout=60)
     push(policy, [a, b], 2, "broadcast")
+    ray.get(a.resume.remote(), timeout=60)
     c = ray.get(ref, timeout=120)
     k = c.versions.index(2) if 2 in c.versions else len(c.versions)
     assert 0 < k < len(c.versions), f"the sync did not land mid-generation (k={k})"
