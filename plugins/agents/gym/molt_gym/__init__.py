@@ -15,8 +15,8 @@ from molt_core import hookimpl, multimodal
 from molt_core.config import ConfigError
 from molt_core.contracts import RolloutContext
 from molt_core.trajectory import ImageInput, Trajectory
-from molt_gym.envs import (Addition, Arithmetic, Colours, Dataset, Env, GuessNumber, MathProblems,
-                           NextLetter, Observation, Spell)
+from molt_gym.envs import Dataset, Env, MathProblems, Observation
+from molt_tools.toy_envs import Addition, Arithmetic, Colours, GuessNumber, NextLetter, Spell
 
 __all__ = ["Addition", "Arithmetic", "Colours", "Dataset", "Env", "GymAgent", "GuessNumber",
            "MathProblems", "NextLetter", "Spell"]
