@@ -43,12 +43,8 @@ class ChatAgent:
 
 class ChatRunner:
     """The `chat` agent: `agent.args = {agent: NAME, agent_args: {...}, max_segments: N,
-    max_request_mb: M}`.
-
-    `max_segments` (optional) drops, as an agent error, rollouts whose template re-rendered
-    history more than N-1 times; not needed for training (the trainer splits segments into rows).
-    `max_request_mb`: requests with a larger body get a 413.
-    """
+    max_request_mb: M}` (N: the segments a rollout may have, M: the MiB of a request body;
+    docs/plugins.md, "molt_chat_agents")."""
 
     def __init__(self, cfg: Any, tokenizer: Any, plugins: Any, *, agent: str,
                  agent_args: dict | None = None, max_segments: int | None = None,
