@@ -190,7 +190,7 @@ def _host(loopback: bool) -> str:
 
 def rendezvous(host: str, timeout_s: float) -> Any:
     """A rendezvous store (the trainer ranks', the weight-sync group's), served here on a port the
-    OS picks as it binds (a port found free and bound later was taken meanwhile once: EADDRINUSE)."""
+    OS picks as it binds (a port found free, bound later, was taken meanwhile once: EADDRINUSE)."""
     import torch.distributed as dist
     return dist.TCPStore(host, 0, None, True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
