@@ -43,7 +43,8 @@ run: install $(TINY)/config.json
 	$(BIN)/molt run $(RECIPE)
 	$(BIN)/molt report "$$(ls -td runs/*/ | head -1)"
 
-test: install-test
+# .venv-trl: tests/test_adapter_trl.py checks adapter `trl` against the real TRL in it.
+test: install-test venv-trl
 	$(BIN)/python -m pytest -q
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q -d .cache/site
 	$(MAKE) test-vllm
@@ -109,7 +110,8 @@ test-vllm: venv-vllm
 	$(VBIN)/python -m pytest -q tests/test_engine_vllm.py tests/test_moe_vllm.py tests/test_export_vllm.py tests/test_smollm2_vllm.py \
 		tests/test_weight_sync_vllm.py
 
-# TRL for bench/vs_trl.py: its own venv (it pins its own stack), the CPU torch wheel first.
+# TRL for bench/vs_trl.py and the TRL adapter's parity test: its own venv (it pins its own
+# stack), the CPU torch wheel first.
 TVENV := .venv-trl
 $(TVENV)/.installed:
 	$(PY) -m venv $(TVENV)
