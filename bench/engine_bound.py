@@ -1,0 +1,247 @@
+"""The hf engine's decode against a bare batched decode of the same requests and against this
+box's bounds (issue 29): SmolLM2-135M-Instruct, the smollm2 recipe's real prompts.
+
+    python bench/engine_bound.py [--threads N] [--dtypes float32,bfloat16] [--reps R]
+                                 [--clock wall|cpu] [--recipe PATH] [key=value ...]
+
+In one process, interleaved (the box is shared: absolute times are noisy, compare ratios), for
+each workload (the recipe's groups x group_size rows sharing a prompt per group, and batch 32
+distinct prompts) and each dtype:
+  engine  `HFEngine.generate_batch` of the requests (stop ids off, so every row makes exactly
+          max_new_tokens tokens and both loops do the same work);
+  bare    a plain HF forward with a DynamicCache over the same left-padded rows (each distinct
+          prompt prefilled once, as the engine does), softmax + torch.multinomial, nothing else;
+  bound   prefill FLOPs / matmul rate + per decode step max(weight bytes / bandwidth, step FLOPs
+          / matmul rate), with bandwidth from a sum over a tensor the size of the weights and the
+          rate from a 1024^3 matmul in the same dtype, both on the same threads.
+`--clock cpu` times everything (bounds included) in process CPU time, steadier with one thread
+on a loaded box (with more, idle OpenMP threads spin and count). Prints best and median seconds,
+tokens/s, ms per decode step, engine/bare and engine/bound ratios, and where the time goes
+(prefill, forward steps, sampling + log-probs, the rest: Python and bookkeeping). Numbers:
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict
+
+import torch
+from transformers import AutoTokenizer, DynamicCache
+
+from molt_core.cli import load
+from molt_core.engines.hf import HFEngine
+
+
+def _arg(args: list[str], flag: str, default: str) -> str:
+    if flag in args:
+        i = args.index(flag)
+        value = args[i + 1]
+        del args[i:i + 2]
+        return value
+    return default
+
+
+def prompts(cfg, plugins, tasks: list[int]) -> list[list[int]]:
+    """The recipe agent's first prompts (system prompt + the env's problem, chat template)."""
+    args = cfg.agent.args
+    env_cls = plugins.get("env", args["env"])
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    system = [{"role": "system", "content": args["system_prompt"]}] \
+        if args.get("system_prompt") else []
+    out = []
+    for task in tasks:
+        obs = asyncio.run(env_cls(**args.get("env_args", {})).reset(task))
+        text = tok.apply_chat_template(system + [{"role": "user", "content": obs}],
+                                       tokenize=False, add_generation_prompt=True)
+        out.append(tok(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+now = time.perf_counter     # --clock cpu: time.process_time (one thread on a loaded box)
+
+
+class Clock:
+    """Seconds per named part on `now`."""
+
+    def __init__(self) -> None:
+        self.s: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name: str, fn):
+        def timed(*a, **k):
+            t = now()
+            out = fn(*a, **k)
+            self.s[name] += now() - t
+            return out
+        return timed
+
+
+def run_engine(engine: HFEngine, rows: list[list[int]], sampling: dict) -> tuple[Clock, int]:
+    clock = Clock()
+    for name in ("_prefill", "_step", "_sample"):
+        setattr(engine, name, clock.wrap(name, getattr(type(engine), name).__get__(engine)))
+    steps0 = engine._stats["decode_steps"]
+    out = clock.wrap("total", lambda: asyncio.run(
+        engine.generate_batch(rows, [sampling] * len(rows))))()
+    for name in ("_prefill", "_step", "_sample"):
+        delattr(engine, name)
+    bad = [c for c in out if isinstance(c, Exception)]
+    if bad:
+        raise bad[0]
+    assert all(len(c.token_ids) == sampling["max_new_tokens"] for c in out)
+    return clock, engine._stats["decode_steps"] - steps0
+
+
+@torch.no_grad()
+def run_bare(model, rows: list[list[int]], new_tokens: int, gen: torch.Generator,
+             pad: int) -> tuple[Clock, int]:
+    """HF forward + DynamicCache + multinomial, the minimal batched decode of `rows`."""
+    clock = Clock()
+    t0 = now()
+    first: dict = {}
+    inv = torch.tensor([first.setdefault(tuple(r), len(first)) for r in rows])
+    L = max(len(p) for p in first)
+    ids = torch.full((len(first), L), pad)
+    mask = torch.zeros(len(first), L, dtype=torch.long)
+    for i, p in enumerate(first):
+        ids[i, L - len(p):], mask[i, L - len(p):] = torch.tensor(p), 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    forward = clock.wrap("forward", model)
+    cache = DynamicCache(config=model.config)
+    logits = clock.wrap("prefill", model)(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                          past_key_values=cache, use_cache=True,
+                                          logits_to_keep=1).logits[inv, -1]
+    cache.batch_select_indices(inv)
+    mask, pos = mask[inv], pos[inv, -1:]
+    sample = clock.wrap("sample", lambda x: torch.multinomial(x.float().softmax(-1), 1,
+                                                              generator=gen))
+    for step in range(new_tokens):
+        token = sample(logits)
+        if step == new_tokens - 1:
+            break
+        mask, pos = torch.cat([mask, mask.new_ones(len(rows), 1)], 1), pos + 1
+        logits = forward(input_ids=token, attention_mask=mask, position_ids=pos,
+                         past_key_values=cache, use_cache=True).logits[:, -1]
+    clock.s["total"] = now() - t0
+    return clock, new_tokens - 1
+
+
+def best_of(fn, seconds: float = 1.0) -> float:
+    best, t0 = float("inf"), time.perf_counter()
+    while time.perf_counter() - t0 < seconds or best == float("inf"):
+        t = now()
+        fn()
+        best = min(best, now() - t)
+    return best
+
+
+def bounds(model, dtype: torch.dtype, rows: list[list[int]], new_tokens: int) -> dict:
+    """The decode's bound on this box's measured bandwidth and matmul rate, on the current
+    threads. FLOPs: 2 x (Linear weights, lm_head included) per token + attention's QK and PV."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: once
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    c = model.config
+    attn = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim     # x context, per token
+    x = torch.ones(weights // 4)
+    bandwidth = weights / best_of(x.sum)
+    del x
+    a, b = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
+    rate = 2 * 1024 ** 3 / best_of(lambda: a @ b)
+    distinct = {tuple(r) for r in rows}
+    prefill = sum(2 * linear * len(p) + attn * len(p) ** 2 / 2 for p in distinct)
+    L = max(len(r) for r in rows)
+    steps = [len(rows) * (2 * linear + attn * (L + s)) for s in range(1, new_tokens)]
+    step_s = [max(weights / bandwidth, f / rate) for f in steps]
+    # what an eager forward cannot beat: one step's matmuls at their shapes, weights from memory
+    xs = {m.in_features: torch.randn(len(rows), m.in_features, dtype=dtype)
+          for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    matmuls = best_of(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in linears])
+    return {"weights_gb": weights / 1e9, "bandwidth_gbs": bandwidth / 1e9,
+            "matmul_gflops": rate / 1e9, "prefill_s": prefill / rate,
+            "step_ms": 1e3 * statistics.mean(step_s), "total_s": prefill / rate + sum(step_s),
+            "step_matmuls_ms": 1e3 * matmuls,
+            "step_bound_by": "flops" if steps[0] / rate > weights / bandwidth else "bandwidth"}
+
+
+def summary(runs: list[tuple[Clock, int]], tokens: int) -> dict:
+    times = [c.s["total"] for c, _ in runs]
+    best = min(runs, key=lambda r: r[0].s["total"])[0]
+    steps = runs[0][1]
+    parts = {k: v for k, v in best.s.items() if k != "total"}
+    fwd = parts.get("_step", parts.get("forward", 0.0))
+    return {"best_s": min(times), "median_s": statistics.median(times),
+            "tokens_per_s": tokens / min(times), "decode_steps": steps,
+            "step_ms": 1e3 * fwd / max(steps, 1),
+            "breakdown_s": {"prefill": parts.get("_prefill", parts.get("prefill", 0.0)),
+                            "forward steps": fwd,
+                            "sampling+logprobs": parts.get("_sample", parts.get("sample", 0.0)),
+                            "python+bookkeeping": best.s["total"] - sum(parts.values())}}
+
+
+def main() -> None:
+    global now
+    args = sys.argv[1:]
+    if _arg(args, "--clock", "wall") == "cpu":
+        now = time.process_time
+    threads = int(_arg(args, "--threads", "2"))
+    dtypes = _arg(args, "--dtypes", "float32").split(",")
+    reps = int(_arg(args, "--reps", "5"))
+    recipe = _arg(args, "--recipe", "recipes/cpu/smollm2_arithmetic.yaml")
+    cfg, plugins = load(recipe, args)
+    r, s = cfg.rollout, cfg.sampling
+    groups = [p for p in prompts(cfg, plugins, list(range(r.groups_per_step)))
+              for _ in range(r.group_size)]
+    workloads = {f"{r.groups_per_step}x{r.group_size}": groups,
+                 "32 distinct": prompts(cfg, plugins, list(range(100, 132)))}
+    sampling = {**asdict(s), "stop_token_ids": []}      # every row makes max_new_tokens tokens
+    n = s.max_new_tokens
+    print(f"clock {now.__name__}, threads {threads}, dtypes {dtypes}, reps {reps}, {n} new "
+          f"tokens; prompt tokens {sorted({len(p) for p in groups})}; load {os.getloadavg()}",
+          flush=True)
+    engines = {d: HFEngine(cfg.model.path, dtype=d, num_threads=threads, seed=cfg.seed)
+               for d in dtypes}
+    gen = torch.Generator().manual_seed(cfg.seed)
+    results = {}
+    for name, rows in workloads.items():
+        for d, engine in engines.items():
+            runs = {"engine": [], "bare": []}
+            run_engine(engine, rows, sampling)                         # warm-up
+            run_bare(engine.model, rows, n, gen, engine.pad_id)
+            for _ in range(reps):
+                runs["engine"].append(run_engine(engine, rows, sampling))
+                runs["bare"].append(run_bare(engine.model, rows, n, gen, engine.pad_id))
+            out = {k: summary(v, len(rows) * n) for k, v in runs.items()}
+            out["bound"] = bounds(engine.model, getattr(torch, d), rows, n)
+            e, b, bd = out["engine"], out["bare"], out["bound"]
+            out["ratios"] = {
+                "engine/bare best": e["best_s"] / b["best_s"],
+                "engine/bare median": e["median_s"] / b["median_s"],
+                "engine/bound best": e["best_s"] / bd["total_s"],
+                "engine step/bound step": e["step_ms"] / bd["step_ms"]}
+            results[f"{name} {d}"] = out
+            print(f"\n== {name} rows, {d}, load {os.getloadavg()[0]:.2f}")
+            for k in ("engine", "bare"):
+                x = out[k]
+                print(f"  {k:<7} best {x['best_s']:.3f} s  median {x['median_s']:.3f} s  "
+                      f"{x['tokens_per_s']:.0f} tok/s  "
+                      f"{x['decode_steps']} steps x {x['step_ms']:.1f} ms forward")
+                print("          " + "  ".join(f"{p} {v:.3f}" for p, v in
+                                                x["breakdown_s"].items()))
+            print(f"  bound   {bd['total_s']:.3f} s (prefill {bd['prefill_s']:.3f} s, step "
+                  f"{bd['step_ms']:.1f} ms by {bd['step_bound_by']}; {bd['weights_gb']:.3f} GB "
+                  f"at {bd['bandwidth_gbs']:.1f} GB/s, {bd['matmul_gflops']:.0f} GFLOP/s); a "
+                  f"step's matmuls at their shapes {bd['step_matmuls_ms']:.1f} ms")
+            print("  " + "  ".join(f"{k} {v:.2f}" for k, v in out["ratios"].items()), flush=True)
+    print("\n" + json.dumps({"clock": now.__name__, "threads": threads,
+                             "load_end": os.getloadavg(), **results}, default=float))
+
+
+if __name__ == "__main__":
+    main()
