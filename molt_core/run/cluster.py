@@ -295,7 +295,7 @@ def start(cfg: Config, plugins: Any, trainer: bool = True) -> Iterator[tuple[Any
                  trainer_ranks=cfg.trainer.num_ranks,
                  threads={"rank": rank_threads, "engine": engine_threads},
                  rank_resources=reserved(rank_opts), engine_resources=reserved(engine_opts),
-                 rank_nodes="driver" if getattr(policy, "in_driver", False)
+                 rank_nodes="driver" if local or getattr(policy, "in_driver", False)
                  else _placement(getattr(policy, "workers", [])),
                  engine_nodes="driver" if local else _placement(engines))
         yield policy, engines
