@@ -1,15 +1,22 @@
 """molt-adapter-verifiers: environments written for the real `verifiers` package (PyPI), used
 unchanged, roll out against the loopback chat server and train; their rubric's score is the reward.
 
-This module is also the environment: `load_environment` below is written in verifiers' own style
-(a module exposing `load_environment(**env_args)` that returns a `vf.Environment`: a dataset with
-question/answer columns, a `vf.Rubric` of reward functions, a `SingleTurnEnv`, a `MultiTurnEnv`
-with `env_response`, a `ToolEnv` of plain Python functions), so its env id is
-`test-adapter-verifiers` (verifiers imports the module `test_adapter_verifiers`).
+The environments under test are verifiers' own examples, vendored unmodified in
+tests/verifiers_envs/ (each file's header names its source, commit and license) and loaded by id
+through verifiers' own `load_environment`, which imports the module as it does an installed
+environment: `tool-test` (its environments/tool_test: a `ToolEnv` of four tools, a dataset
+generated in `load_environment`, a rubric comparing the tools called with the row's) and
+`first-environment` (its docs' "Your First Environment": a `SingleTurnEnv`). Its other examples
+download data, call a judge or need a sandbox, so this module adds one in verifiers' style for what those two
+never reach, text added between sampled turns: `load_environment` below (a `MultiTurnEnv` with
+`env_response`, a `ToolEnv` whose tool runs); its env id is `test-adapter-verifiers` (verifiers
+imports the module `test_adapter_verifiers`).
 
 Token identity is checked against a recorder around the engine's `generate`: every trainable run
 of a trajectory is one sampled completion (ids and log-probs as the engine returned them), and
-everything else (prompt, "Are you sure?", the tool's result) is the engine's prompt, masked.
+everything else (prompt, tool definitions, "Are you sure?", the tool's result) is the engine's
+prompt, masked. The tiny random-init model never emits a tool call on its own, so it is imprinted
+(a few SFT steps) to make the calls; the code under test is verifiers' and the adapter's, unchanged.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -34,16 +43,17 @@ from molt_core.contracts import RolloutContext
 from molt_core.engines.hf import HFEngine
 from molt_core.plugins import build_plugins
 from molt_core.trainer import train
+from molt_tools.calculator_model import short_tools_template
 from molt_tools.imprint import imprint
 from molt_tools.commands import main
-from molt_tools.tiny import build_tiny_model
 
 from common import toy_recipe
 
 ENV_ID = "test-adapter-verifiers"
+TOOL_TEST = {"num_train_examples": 5, "num_eval_examples": 1}   # rows 0-4; row 4 calls two tools
 
 
-# ---- the environment, as a verifiers user writes it ----------------------------------------
+# ---- ours, in verifiers' style: text added between two sampled turns -----------------------
 
 def add(a: int, b: int) -> int:
     """Add two integers.
@@ -72,8 +82,6 @@ def load_environment(kind: str = "tool", num_examples: int = 4) -> vf.Environmen
 
     rubric = vf.Rubric(funcs=[correct_answer], weights=[1.0], parser=parser)
     common = dict(dataset=Dataset.from_list(rows), parser=parser, rubric=rubric)
-    if kind == "single_turn":
-        return vf.SingleTurnEnv(**common)
     if kind == "multi_turn":
         return DoubleCheckEnv(max_turns=2, **common)
     return vf.ToolEnv(tools=[add], max_turns=3, **common)
@@ -81,27 +89,53 @@ def load_environment(kind: str = "tool", num_examples: int = 4) -> vf.Environmen
 
 # ---- fixtures and checks -----------------------------------------------------------------
 
-CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 2}}\n</tool_call>'
+@pytest.fixture(scope="module", autouse=True)
+def _upstream_envs() -> Iterator[None]:
+    """verifiers' examples importable by id, as `pip install` of an environment makes them."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(Path(__file__).parent / "verifiers_envs"))
+        yield
+
+
+def call(name: str, args: dict) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+
+
+CALL = call("add", {"a": 2, "b": 2})
+TOOL_TEST_X = {"tool_A": 1, "tool_B": "a", "tool_C": 1.5, "tool_D": True}   # the calls' x
+
+
+def tool_test_reply(names: list[str]) -> str:
+    """tool-test's reply: the tools of its row, called in one message."""
+    return "\n".join(call(n, {"x": TOOL_TEST_X[n]}) for n in names) + "<|im_end|>"
 
 
 @pytest.fixture(scope="module")
-def caller_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny model imprinted (in-test SFT) to call `add` on row 0 and answer with its result; its
-    tokenizer is trained on those texts so that the tools preamble fits the 512-token context."""
-    env = load_environment("tool", num_examples=1)
-    client = vf.OpenAIChatCompletionsClient(openai.AsyncOpenAI(api_key="-", base_url="http://x"))
-    tools = [asyncio.run(client.to_native_tool(t)) for t in env.tool_defs]   # as verifiers sends
-    base = build_tiny_model(tmp_path_factory.mktemp("vf") / "base", "qwen3")
+def caller_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model (short tools template: `Tools: name ...`), imprinted to call on tool-test's
+    rows 0 and 4 the tools each names, and to call `add` on "What is 2 + 2?" and answer with its
+    result; the prompts are rendered with the tools as verifiers sends them."""
+    base = tmp_path_factory.mktemp("vf") / "base"
+    shutil.copytree(tiny_model_dir, base)
     tok = AutoTokenizer.from_pretrained(base)
-    first = [{"role": "user", "content": "What is 2 + 2?"}]
+    tok.chat_template = short_tools_template(tok.chat_template)
+    tok.save_pretrained(base)
+    client = vf.OpenAIChatCompletionsClient(openai.AsyncOpenAI(api_key="-", base_url="http://x"))
+
+    def prompt(env: vf.Environment, messages: list) -> str:
+        tools = [asyncio.run(client.to_native_tool(t)) for t in env.tool_defs]
+        return tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                       add_generation_prompt=True)
+    upstream = vf.load_environment("tool-test", **TOOL_TEST)
+    pairs = [(prompt(upstream, list(r["prompt"])), tool_test_reply(r["info"]["tool_names"]))
+             for r in upstream.get_dataset().select([0, 4])]
+    ours, first = load_environment("tool", num_examples=1), [
+        {"role": "user", "content": "What is 2 + 2?"}]
     then = first + [{"role": "assistant", "content": "", "tool_calls": [{
         "id": "c", "type": "function",
         "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}}]},
         {"role": "tool", "tool_call_id": "c", "content": "4"}]
-    pairs = [(tok.apply_chat_template(m, tools=tools, tokenize=False, add_generation_prompt=True),
-              reply) for m, reply in ((first, CALL + "<|im_end|>"), (then, "4<|im_end|>"))]
-    base = build_tiny_model(base.parent / "fitted", "qwen3",
-                            extra_corpus=[p + r for p, r in pairs] * 20)
+    pairs += [(prompt(ours, first), CALL + "<|im_end|>"), (prompt(ours, then), "4<|im_end|>")]
     return imprint(base, base.parent / "caller", pairs, tol=0.005)
 
 
@@ -135,38 +169,69 @@ def check_token_exact(token_ids, loss_mask, logprobs, calls) -> int:
 
 
 SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
-            "repetition_penalty": 1.0, "max_new_tokens": 6}
+            "repetition_penalty": 1.0}
 
 
-@pytest.mark.parametrize("kind, turns, env_text", [("single_turn", 1, None),
-                                                   ("multi_turn", 2, "Are you sure?")])
-def test_single_and_multi_turn_envs_roll_out_token_exactly(tiny_model_dir, kind, turns,
-                                                           env_text):
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    runner = ChatRunner(SimpleNamespace(model=SimpleNamespace(path=str(tiny_model_dir))), tok,
+def roll_out(model_dir: Path, env: str, env_args: dict, tasks: tuple[int, ...],
+             max_new_tokens: int) -> Iterator[tuple[object, str, str, int]]:
+    """Rollouts of `tasks` through chat agent `verifiers` on a recorded seeded engine; each
+    (trajectory, masked text, sampled text, runs of sampled tokens) once checked token-exact."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    runner = ChatRunner(SimpleNamespace(model=SimpleNamespace(path=str(model_dir))), tok,
                         build_plugins(), agent="verifiers",
-                        agent_args={"env": ENV_ID, "env_args": {"kind": kind}})
-    engine = HFEngine(str(tiny_model_dir), seed=0)
-    rec = Recorder(engine.generate)
-    sampling = {**SAMPLING, "stop_token_ids": [tok.convert_tokens_to_ids("<|im_end|>")]}
+                        agent_args={"env": env, "env_args": env_args})
+    rec = Recorder(HFEngine(str(model_dir), seed=0).generate)
+    sampling = {**SAMPLING, "max_new_tokens": max_new_tokens,
+                "stop_token_ids": [tok.convert_tokens_to_ids("<|im_end|>")]}
 
-    async def main():
+    async def run():
         try:
             return [await runner.rollout(RolloutContext(0, i, task, sampling, rec, tok))
-                    for i, task in enumerate((1, 6))]
+                    for i, task in enumerate(tasks)]
         finally:
             await runner.aclose()
-    for traj, row in zip(asyncio.run(main()), (1, 2)):      # task 6 is row 6 % 4
-        assert check_token_exact(traj.token_ids, traj.loss_mask, traj.logprobs, rec.calls) == turns
-        assert traj.info["example_id"] == row and traj.info["verifiers/num_turns"] == turns
-        assert traj.reward == traj.info["verifiers/correct_answer"]
-        question = load_environment(kind).get_dataset()[row]["question"]
-        masked = tok.decode([t for t, m in zip(traj.token_ids, traj.loss_mask) if not m])
-        assert question in masked and (env_text is None or env_text in masked)
+    for traj in asyncio.run(run()):
+        runs = check_token_exact(traj.token_ids, traj.loss_mask, traj.logprobs, rec.calls)
+        yield traj, *(tok.decode([t for t, m in zip(traj.token_ids, traj.loss_mask) if m == keep])
+                      for keep in (0, 1)), runs
 
 
-def test_a_tool_env_trains_token_exactly_and_its_rubric_is_the_reward(caller_dir, tmp_path,
-                                                                      monkeypatch):
+@pytest.mark.parametrize("env, env_args, turns, env_text", [
+    ("first-environment", {}, 1, None), (ENV_ID, {"kind": "multi_turn"}, 2, "Are you sure?")])
+def test_single_and_multi_turn_envs_roll_out_token_exactly(tiny_model_dir, env, env_args, turns,
+                                                           env_text):
+    rows = vf.load_environment(env, **env_args).get_dataset()
+    for (traj, masked, _, runs), row in zip(
+            roll_out(tiny_model_dir, env, env_args, (1, 6), 6), (1, 6 % len(rows))):
+        assert runs == turns == traj.info["verifiers/num_turns"]
+        assert traj.info["example_id"] == row
+        assert traj.reward == traj.info["verifiers/correct_answer"]     # the rubric's score
+        assert rows[row]["prompt"][-1]["content"] in masked
+        assert env_text is None or env_text in masked
+
+
+def test_tool_envs_roll_out_token_exactly_parallel_calls_and_results_masked(caller_dir):
+    """tool-test: row 4's two calls, sampled in one reply, reach the env as two tool_calls (its
+    rubric wants both, and `max_turns=1` scores the call itself); ours: the tool's result is
+    in the trajectory, masked, before the sampled answer."""
+    rows = vf.load_environment("tool-test", **TOOL_TEST).get_dataset()
+    for (traj, masked, sampled, runs), row in zip(
+            roll_out(caller_dir, "tool-test", TOOL_TEST, (0, 4), 96), (0, 4)):
+        names = rows[row]["info"]["tool_names"]
+        assert runs == 1 and traj.info["example_id"] == row
+        assert "Tools: tool_A tool_B tool_C tool_D" in masked       # verifiers' tool defs
+        assert rows[row]["prompt"][-1]["content"] in masked
+        assert sampled == tool_test_reply(names)
+        assert traj.info["verifiers/total_tool_calls"] == len(names)
+        assert traj.reward == traj.info["verifiers/tool_call_reward_func"] == 1.0
+    ((traj, masked, sampled, runs),) = roll_out(caller_dir, ENV_ID, {"kind": "tool"}, (0,), 32)
+    assert runs == 2 and traj.info["verifiers/add_calls"] == 1
+    assert "<tool_response>\n4\n</tool_response>" in masked and CALL in sampled
+    assert traj.reward == traj.info["verifiers/correct_answer"]
+
+
+def test_verifiers_tool_test_example_trains_token_exactly(caller_dir, tmp_path, monkeypatch):
+    """tool-test's row 0 (call tool_A), two steps of 4 rollouts on the training path."""
     calls, real = [], HFEngine.generate_batch
 
     async def generate_batch(self, prompts, samplings, *args, **kwargs):   # the training path's
@@ -175,38 +240,41 @@ def test_a_tool_env_trains_token_exactly_and_its_rubric_is_the_reward(caller_dir
         return outs
     monkeypatch.setattr(HFEngine, "generate_batch", generate_batch)
     cfg, plugins = load(toy_recipe(
-        tmp_path, caller_dir, sampling={"max_new_tokens": 32},
+        tmp_path, caller_dir, sampling={"max_new_tokens": 64},
         rollout={"groups_per_step": 1, "group_size": 4},
         trainer={"steps": 2, "micro_batch_size": 8},
         agent={"name": "chat", "args": {"agent": "verifiers", "agent_args": {
-            "env": ENV_ID, "env_args": {"kind": "tool", "num_examples": 1}}}}), [])
+            "env": "tool-test", "env_args": {**TOOL_TEST, "num_train_examples": 1}}}}), [])
     (tmp_path / "run").mkdir()
     history = train(cfg, plugins, tmp_path / "run", progress=False)
-    # none dropped: a malformed tool call (2 of the 8 here) is scored as text, as verifiers would
     assert len(history) == 2 and all(h["rollout/trajectories"] == 4 for h in history)
     tok = AutoTokenizer.from_pretrained(caller_dir)
     called = 0
     for path in sorted((tmp_path / "run" / "trajectories").glob("*.parquet")):
         for r in pq.read_table(path).to_pylist():
             info = json.loads(r["info"])
-            turns = check_token_exact(r["token_ids"], r["loss_mask"], r["behavior_logprobs"],
-                                      calls)
-            assert turns == info["verifiers/num_turns"] == info["chat_generations"]
-            assert r["reward"] == info["verifiers/correct_answer"]     # the rubric's score
-            if info["verifiers/add_calls"]:
+            assert check_token_exact(r["token_ids"], r["loss_mask"], r["behavior_logprobs"],
+                                     calls) == info["verifiers/num_turns"] == 1
+            assert r["reward"] == info["verifiers/tool_call_reward_func"]   # the rubric's score
+            masked = tok.decode([t for t, m in zip(r["token_ids"], r["loss_mask"]) if not m])
+            assert "Call the following tools with arguments of your choice: ['tool_A']" in masked
+            if r["reward"] == 1.0:
                 called += 1
-                masked = [t for t, m in zip(r["token_ids"], r["loss_mask"]) if not m]
-                sampled = [t for t, m in zip(r["token_ids"], r["loss_mask"]) if m]
-                assert "<tool_response>\n4\n</tool_response>" in tok.decode(masked)
-                assert CALL in tok.decode(sampled)
+                sampled = tok.decode([t for t, m in zip(r["token_ids"], r["loss_mask"]) if m])
+                assert call("tool_A", {"x": 1}) in sampled
     assert called >= 1
 
 
-def test_an_unknown_env_is_one_clear_error_before_anything_starts(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("env, env_args, error", [
+    ("no-such-env", {}, "ValueError: Could not import 'no-such-env' environment"),
+    ("tool-test", {"num_examples": 3}, "RuntimeError: Failed to load environment 'tool-test': "
+                                       "load_environment\\(\\) got an unexpected keyword "
+                                       "argument 'num_examples'")])
+def test_a_bad_env_is_one_clear_error_before_anything_starts(tiny_model_dir, tmp_path, env,
+                                                             env_args, error):
     recipe = toy_recipe(tmp_path, tiny_model_dir, agent={"name": "chat", "args": {
-        "agent": "verifiers", "agent_args": {"env": "no-such-env"}}})
-    with pytest.raises(ConfigError, match=r"agent.args.agent_args.env 'no-such-env': ValueError: "
-                                          r"Could not import 'no-such-env' environment"):
+        "agent": "verifiers", "agent_args": {"env": env, "env_args": env_args}}})
+    with pytest.raises(ConfigError, match=f"agent.args.agent_args.env '{env}': {error}"):
         load(recipe, [])
 
 
