@@ -7,10 +7,10 @@ through verifiers' own `load_environment`, which imports the module as it does a
 environment: `tool-test` (its environments/tool_test: a `ToolEnv` of four tools, a dataset
 generated in `load_environment`, a rubric comparing the tools called with the row's) and
 `first-environment` (its docs' "Your First Environment": a `SingleTurnEnv`). Its other examples
-download data, call a judge or need a sandbox, so this module adds one in verifiers' style for what those two
-never reach, text added between sampled turns: `load_environment` below (a `MultiTurnEnv` with
-`env_response`, a `ToolEnv` whose tool runs); its env id is `test-adapter-verifiers` (verifiers
-imports the module `test_adapter_verifiers`).
+download data, call a judge or need a sandbox, so this module adds one in verifiers' style for
+what those two never reach, text added between sampled turns: `load_environment` below (a
+`MultiTurnEnv` with `env_response`, a `ToolEnv` whose tool runs); its env id is
+`test-adapter-verifiers` (verifiers imports the module `test_adapter_verifiers`).
 
 Token identity is checked against a recorder around the engine's `generate`: every trainable run
 of a trajectory is one sampled completion (ids and log-probs as the engine returned them), and
