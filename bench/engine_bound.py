@@ -17,8 +17,9 @@ distinct prompts) and each dtype:
 `--clock cpu` times everything (bounds included) in process CPU time, steadier with one thread
 on a loaded box (with more, idle OpenMP threads spin and count). Prints best and median seconds,
 tokens/s, ms per decode step, engine/bare and engine/bound ratios, and where the time goes
-(prefill, forward steps, sampling + log-probs, the rest: Python and bookkeeping). Numbers:
-docs/benchmarks.md.
+(prefill, forward steps, sampling + log-probs, the rest: Python and bookkeeping), and the gap
+between the engine's behavior log-probs and a full-sequence forward's (the trainer's recompute)
+in each dtype. Numbers: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ class Clock:
         return timed
 
 
-def run_engine(engine: HFEngine, rows: list[list[int]], sampling: dict) -> tuple[Clock, int]:
+def run_engine(engine: HFEngine, rows: list[list[int]], sampling: dict,
+               completions: list | None = None) -> tuple[Clock, int]:
     clock = Clock()
     for name in ("_prefill", "_step", "_sample"):
         setattr(engine, name, clock.wrap(name, getattr(type(engine), name).__get__(engine)))
@@ -95,13 +97,17 @@ def run_engine(engine: HFEngine, rows: list[list[int]], sampling: dict) -> tuple
     if bad:
         raise bad[0]
     assert all(len(c.token_ids) == sampling["max_new_tokens"] for c in out)
+    if completions is not None:
+        completions[:] = out
     return clock, engine._stats["decode_steps"] - steps0
 
 
 @torch.no_grad()
 def run_bare(model, rows: list[list[int]], new_tokens: int, gen: torch.Generator,
              pad: int) -> tuple[Clock, int]:
-    """HF forward + DynamicCache + multinomial, the minimal batched decode of `rows`."""
+    """HF forward (sdpa) + DynamicCache + multinomial, the minimal batched decode of `rows`."""
+    impl = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
     clock = Clock()
     t0 = now()
     first: dict = {}
@@ -129,7 +135,22 @@ def run_bare(model, rows: list[list[int]], new_tokens: int, gen: torch.Generator
         logits = forward(input_ids=token, attention_mask=mask, position_ids=pos,
                          past_key_values=cache, use_cache=True).logits[:, -1]
     clock.s["total"] = now() - t0
+    model.set_attn_implementation(impl)
     return clock, new_tokens - 1
+
+
+@torch.no_grad()
+def logprob_gap(model, rows: list[list[int]], completions: list) -> dict:
+    """|engine behavior log-prob - a full-sequence forward's (what the trainer recomputes)| over
+    the sampled tokens of 8 rows, temperature 1 (the recipe's)."""
+    gaps = []
+    for prompt, c in list(zip(rows, completions))[::max(1, len(rows) // 8)]:
+        ids = torch.tensor([prompt + c.token_ids])
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+        lp = logits.log_softmax(-1).gather(1, ids[0, len(prompt):, None]).squeeze(1)
+        gaps.append((lp - torch.tensor(c.logprobs)).abs())
+    gaps = torch.cat(gaps)
+    return {"max": gaps.max().item(), "mean": gaps.mean().item()}
 
 
 def best_of(fn, seconds: float = 1.0) -> float:
@@ -218,6 +239,10 @@ def main() -> None:
                 runs["engine"].append(run_engine(engine, rows, sampling))
                 runs["bare"].append(run_bare(engine.model, rows, n, gen, engine.pad_id))
             out = {k: summary(v, len(rows) * n) for k, v in runs.items()}
+            completions: list = []
+            run_engine(engine, rows, sampling, completions)
+            out["logprob_gap"] = {f"vs {t} forward": logprob_gap(e.model, rows, completions)
+                                  for t, e in engines.items()}
             out["bound"] = bounds(engine.model, getattr(torch, d), rows, n)
             e, b, bd = out["engine"], out["bare"], out["bound"]
             out["ratios"] = {
@@ -238,7 +263,10 @@ def main() -> None:
                   f"{bd['step_ms']:.1f} ms by {bd['step_bound_by']}; {bd['weights_gb']:.3f} GB "
                   f"at {bd['bandwidth_gbs']:.1f} GB/s, {bd['matmul_gflops']:.0f} GFLOP/s); a "
                   f"step's matmuls at their shapes {bd['step_matmuls_ms']:.1f} ms")
-            print("  " + "  ".join(f"{k} {v:.2f}" for k, v in out["ratios"].items()), flush=True)
+            print("  " + "  ".join(f"{k} {v:.2f}" for k, v in out["ratios"].items()))
+            print("  engine log-prob gap " + "  ".join(
+                f"{k}: max {v['max']:.2g} mean {v['mean']:.2g}"
+                for k, v in out["logprob_gap"].items()), flush=True)
     print("\n" + json.dumps({"clock": now.__name__, "threads": threads,
                              "load_end": os.getloadavg(), **results}, default=float))
 
