@@ -318,6 +318,47 @@ def test_tool_calls_round_trip_both_sdks(tool_model_dir, tok):
         assert "<tool_response>\n7\n</tool_response>" in tool_text and not parts[2][0]
 
 
+def test_sdk_json_text_arguments_re_render_under_a_template_that_tojsons_them(tok):
+    """The OpenAI SDK echoes a call's arguments as JSON text; templates that always `tojson` them
+    (Qwen2.5's) would render that text as a quoted string. The server renders the object the
+    text encodes instead, so the history still extends what was sampled (one segment). Scripted
+    engine: the tiny random-init model never emits a tool call."""
+    qwen25 = AutoTokenizer.from_pretrained(tok.name_or_path)
+    qwen25.chat_template = tok.chat_template.replace(
+        "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}", "{%- if false %}")
+    assert qwen25.chat_template != tok.chat_template
+    replies = [CALL + "<|im_end|>", ANSWER + "<|im_end|>"]
+    sampled = []
+
+    async def generate(prompt_ids: list[int], sampling: dict) -> Completion:
+        ids = qwen25.encode(replies[len(sampled)], add_special_tokens=False)
+        sampled.append(ids)
+        return Completion(ids, [-0.5] * len(ids), [0] * len(ids))
+
+    async def main():
+        server = ChatServer()
+        await server.start()
+        s = server.open_session(qwen25, generate, sampling(qwen25, max_new_tokens=40),
+                                max_context=512)
+        client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+        messages = [{"role": "user", "content": QUESTION}]
+        r = await client.chat.completions.create(model="p", messages=messages, tools=[TOOL])
+        (call,) = r.choices[0].message.tool_calls
+        assert isinstance(call.function.arguments, str)
+        messages += [r.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "7"}]
+        r = await client.chat.completions.create(model="p", messages=messages, tools=[TOOL])
+        assert r.choices[0].message.content == ANSWER
+        await client.close()
+        traj = server.close_session(s)
+        await server.close()
+        return traj
+
+    traj = run(main())
+    assert traj.segments == [0]
+    assert [t for t, m in zip(traj.token_ids, traj.loss_mask) if m] == sampled[0] + sampled[1]
+
+
 def test_streaming_tool_calls_both_sdks(tool_model_dir, tok):
     """stream=True through both SDKs: the SDKs assemble the tool call and the answer from the
     event stream, and the trajectory is token-exact as without streaming."""

@@ -109,6 +109,11 @@ class ChatSession:
     def prepare(self, messages: list[dict], tools: list[dict] | None, role: str = "") -> _Prep:
         """Render and tokenize what the trajectory lacks; pure, so it may run in a thread."""
         rendered = self.render(messages, tools)
+        if self._covered and not rendered.startswith(self._covered):
+            # SDKs echo arguments as JSON text; templates that always `tojson` them (Qwen2.5's)
+            # quote it, where the model sampled the object
+            alt = self.render(_object_args(messages), tools)
+            rendered = alt if alt.startswith(self._covered) else rendered
         prev, same = self._messages, tools == self._tools and role == self._roles[-1]
         if self._last is not None and messages == prev and same:
             return _Prep(rendered, messages, tools, "resample", [], [], role)
@@ -208,6 +213,17 @@ class ChatSession:
         body = ids[:-1] if eos else ids
         return Reply(self._decode(body), completion.finish_reason, len(prompt), list(ids),
                      list(completion.logprobs), stop_seq)
+
+
+def _object_args(messages: list[dict]) -> list[dict]:
+    """`messages` with each tool call's JSON-text arguments as the object the text encodes."""
+    def obj(call: dict) -> dict:
+        f = call.get("function") or {}
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            return {**call, "function": {**f, "arguments": json.loads(f["arguments"])}}
+        return call
+    return [{**m, "tool_calls": [obj(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
+            for m in messages]
 
 
 def _max_tokens(body: dict, api: str) -> int | None:
