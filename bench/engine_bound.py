@@ -2,7 +2,8 @@
 box's bounds (issue 29): SmolLM2-135M-Instruct, the smollm2 recipe's real prompts.
 
     python bench/engine_bound.py [--threads N] [--dtypes float32,bfloat16] [--reps R]
-                                 [--clock wall|cpu] [--recipe PATH] [key=value ...]
+                                 [--clock wall|cpu] [--before REV] [--recipe PATH]
+                                 [key=value ...]
 
 In one process, interleaved (the box is shared: absolute times are noisy, compare ratios), for
 each workload (the recipe's groups x group_size rows sharing a prompt per group, and batch 32
@@ -11,6 +12,7 @@ distinct prompts) and each dtype:
           max_new_tokens tokens and both loops do the same work);
   bare    a plain HF forward with a DynamicCache over the same left-padded rows (each distinct
           prompt prefilled once, as the engine does), softmax + torch.multinomial, nothing else;
+  engine@REV  (`--before REV`) the engine as of git revision REV, for a before/after;
   bound   prefill FLOPs / matmul rate + per decode step max(weight bytes / bandwidth, step FLOPs
           / matmul rate), with bandwidth from a sum over a tensor the size of the weights and the
           rate from a 1024^3 matmul in the same dtype, both on the same threads.
@@ -28,8 +30,10 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
+import types
 from collections import defaultdict
 from dataclasses import asdict
 
@@ -81,6 +85,16 @@ class Clock:
             self.s[name] += now() - t
             return out
         return timed
+
+
+def engine_at(rev: str) -> type:
+    """HFEngine as of git revision `rev`, for a before/after in one process."""
+    src = subprocess.run(["git", "show", f"{rev}:molt_core/engines/hf.py"], check=True,
+                         capture_output=True, text=True).stdout
+    module = types.ModuleType(name := f"hf_at_{rev.replace('~', '_')}")
+    sys.modules[name] = module             # dataclasses look their module up
+    exec(compile(src, f"hf.py@{rev}", "exec"), module.__dict__)
+    return module.HFEngine
 
 
 def run_engine(engine: HFEngine, rows: list[list[int]], sampling: dict,
@@ -153,13 +167,13 @@ def logprob_gap(model, rows: list[list[int]], completions: list) -> dict:
     return {"max": gaps.max().item(), "mean": gaps.mean().item()}
 
 
-def best_of(fn, seconds: float = 1.0) -> float:
-    best, t0 = float("inf"), time.perf_counter()
-    while time.perf_counter() - t0 < seconds or best == float("inf"):
+def best_of(fn, seconds: float = 1.0, tries: int = 8) -> float:
+    times, t0 = [], time.perf_counter()
+    while time.perf_counter() - t0 < seconds or len(times) < tries:
         t = now()
         fn()
-        best = min(best, now() - t)
-    return best
+        times.append(now() - t)
+    return min(times)
 
 
 def bounds(model, dtype: torch.dtype, rows: list[list[int]], new_tokens: int) -> dict:
@@ -215,6 +229,7 @@ def main() -> None:
     dtypes = _arg(args, "--dtypes", "float32").split(",")
     reps = int(_arg(args, "--reps", "5"))
     recipe = _arg(args, "--recipe", "recipes/cpu/smollm2_arithmetic.yaml")
+    rev = _arg(args, "--before", "")
     cfg, plugins = load(recipe, args)
     r, s = cfg.rollout, cfg.sampling
     groups = [p for p in prompts(cfg, plugins, list(range(r.groups_per_step)))
@@ -228,16 +243,22 @@ def main() -> None:
           flush=True)
     engines = {d: HFEngine(cfg.model.path, dtype=d, num_threads=threads, seed=cfg.seed)
                for d in dtypes}
+    before = {d: engine_at(rev)(cfg.model.path, dtype=d, num_threads=threads, seed=cfg.seed)
+              for d in dtypes} if rev else {}
     gen = torch.Generator().manual_seed(cfg.seed)
     results = {}
     for name, rows in workloads.items():
         for d, engine in engines.items():
-            runs = {"engine": [], "bare": []}
-            run_engine(engine, rows, sampling)                         # warm-up
-            run_bare(engine.model, rows, n, gen, engine.pad_id)
-            for _ in range(reps):
-                runs["engine"].append(run_engine(engine, rows, sampling))
-                runs["bare"].append(run_bare(engine.model, rows, n, gen, engine.pad_id))
+            runners = {"engine": lambda: run_engine(engine, rows, sampling),
+                       "bare": lambda: run_bare(engine.model, rows, n, gen, engine.pad_id)}
+            if rev:
+                runners[f"engine@{rev}"] = lambda: run_engine(before[d], rows, sampling)
+            runs: dict[str, list] = {k: [] for k in runners}
+            for rep in range(reps + 1):                     # interleaved; rep 0 is a warm-up
+                for k, fn in runners.items():
+                    result = fn()
+                    if rep:
+                        runs[k].append(result)
             out = {k: summary(v, len(rows) * n) for k, v in runs.items()}
             completions: list = []
             run_engine(engine, rows, sampling, completions)
@@ -249,10 +270,13 @@ def main() -> None:
                 "engine/bare best": e["best_s"] / b["best_s"],
                 "engine/bare median": e["median_s"] / b["median_s"],
                 "engine/bound best": e["best_s"] / bd["total_s"],
-                "engine step/bound step": e["step_ms"] / bd["step_ms"]}
+                "engine step/bound step": e["step_ms"] / bd["step_ms"]} | ({
+                f"engine/engine@{rev} best": e["best_s"] / out[f"engine@{rev}"]["best_s"],
+                f"engine/engine@{rev} median": e["median_s"] / out[f"engine@{rev}"]["median_s"]}
+                if rev else {})
             results[f"{name} {d}"] = out
             print(f"\n== {name} rows, {d}, load {os.getloadavg()[0]:.2f}")
-            for k in ("engine", "bare"):
+            for k in runs:
                 x = out[k]
                 print(f"  {k:<7} best {x['best_s']:.3f} s  median {x['median_s']:.3f} s  "
                       f"{x['tokens_per_s']:.0f} tok/s  "

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 from transformers import AttentionInterface, AutoConfig, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -348,14 +348,10 @@ class HFEngine:
         keys = [(tuple(r.prompt + r.tokens), id(r) if r.images else 0) for r in rows]
         first: dict = {}
         inv = torch.tensor([first.setdefault(k, len(first)) for k in keys], device=self.device)
-        seqs = [k[0] for k in first]
-        L = max(len(x) for x in seqs)
-        ids = torch.full((len(seqs), L), self.pad_id, dtype=torch.long)
-        mask = torch.zeros(len(seqs), L, dtype=torch.long)
-        for i, x in enumerate(seqs):  # left padding: [B, L]
-            ids[i, L - len(x):] = torch.tensor(x)
-            mask[i, L - len(x):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        seqs = [torch.tensor(k[0]) for k in first]
+        left = {"batch_first": True, "padding_side": "left"}     # [B, L]
+        ids = pad_sequence(seqs, padding_value=self.pad_id, **left).to(self.device)
+        mask = pad_sequence([torch.ones_like(x) for x in seqs], **left).to(self.device)
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         extra = {}
         if any(r.images for r in rows):    # VL: patches + mRoPE positions [4, B, L] (all distinct)
@@ -429,8 +425,8 @@ def _sdpa_rows(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if t > 1 or h == kv:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       **kwargs)
-    out = F.scaled_dot_product_attention(query.reshape(b, kv, h // kv, d), key, value,
-                                         attn_mask=attention_mask, scale=scaling)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(b, kv, h // kv, d), key, value, attn_mask=attention_mask, scale=scaling)
     return out.reshape(b, h, 1, d).transpose(1, 2), None
 
 
