@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
 from molt_core import moe, multimodal
@@ -76,20 +75,50 @@ def _chunked(model: Any, h: torch.Tensor, targets: torch.Tensor, temperature: fl
     """([N] log-probs of `targets`, [N] entropies) from `h` [N, H], `chunk` rows at a time."""
     banned = torch.tensor(multimodal.vision_token_ids(model.config), device=h.device,
                           dtype=torch.long)
-
-    def piece(h_c: torch.Tensor, t_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = model.lm_head(h_c).float() / temperature                       # [c, V]
-        logits = logits.index_fill(-1, banned, -float("inf")) if banned.numel() else logits
-        logp = logits.log_softmax(-1)
-        # entropy: exp(-inf) * -inf is nan at banned ids; their probability is 0
-        return (logp.gather(-1, t_c[:, None]).squeeze(-1),
-                -(logp.exp() * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1))
-
-    grad = torch.is_grad_enabled()
-    pieces = [checkpoint(piece, h[s:s + chunk], targets[s:s + chunk], use_reentrant=False) if grad
-              else piece(h[s:s + chunk], targets[s:s + chunk])
-              for s in range(0, h.shape[0], chunk)]
+    pieces = [_Head.apply(h[s:s + chunk], targets[s:s + chunk], model.lm_head, banned,
+                          temperature) for s in range(0, h.shape[0], chunk)]
     return torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])
+
+
+class _Head(torch.autograd.Function):
+    """([n] log-probs of `targets`, [n] entropies) of p = softmax(z), z = head(h) / T, banned ids
+    masked. Backward recomputes the [n, V] logits (peak memory: one chunk's) and sends the closed
+    form through `head`: d logp_t / dz = onehot_t - p, dH / dz = -p (logp + H) (a third of the
+    [n, V] passes of autograd through a checkpoint)."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module,
+                banned: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.set_materialize_grads(False)             # an unused output's grad stays None
+        ctx.head, ctx.temperature = head, temperature
+        with torch.no_grad():
+            logp = _log_softmax(head(h), banned, temperature)
+            entropy = -(logp.exp() * logp).sum(-1)
+        ctx.save_for_backward(h, targets, banned, entropy)
+        return logp.gather(-1, targets[:, None]).squeeze(-1), entropy
+
+    @staticmethod
+    def backward(ctx: Any, g_logp: torch.Tensor | None, g_entropy: torch.Tensor | None
+                 ) -> tuple[torch.Tensor | None, None, None, None, None]:
+        h, targets, banned, entropy = ctx.saved_tensors
+        h = h.detach().requires_grad_()
+        with torch.enable_grad():
+            logits = ctx.head(h)
+        with torch.no_grad():
+            logp = _log_softmax(logits, banned, ctx.temperature)
+            g_lp = torch.zeros_like(entropy) if g_logp is None else g_logp
+            coef = g_lp[:, None] if g_entropy is None else (
+                g_lp[:, None] + g_entropy[:, None] * (logp + entropy[:, None]))
+            g = logp.exp_().mul_(coef).neg_().scatter_add_(-1, targets[:, None], g_lp[:, None])
+            g = (g / ctx.temperature if ctx.temperature != 1 else g).to(logits.dtype)
+        torch.autograd.backward(logits, g)          # lm_head's weight grads, if it trains
+        return h.grad, None, None, None, None
+
+
+def _log_softmax(logits: torch.Tensor, banned: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = logits.float() / temperature if temperature != 1 else logits.float()
+    # banned ids at -1e30, not -inf: p = 0 exactly, p * logp and its grads stay finite
+    return (z.index_fill(-1, banned, -1e30) if banned.numel() else z).log_softmax(-1)
 
 
 def _shared_context(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
