@@ -137,21 +137,21 @@ def matmul_gflops(dtype: torch.dtype, threads: int, n: int = 2048, seconds: floa
 
 
 @contextmanager
-def _timing(times: dict[str, float], obj: Any, name: str) -> Iterator[None]:
-    """Time every call of `obj.name` into times[name] (this bench's breakdown only)."""
-    fn = getattr(obj, name)
+def _timing(times: dict[str, float], obj: Any, name: str, key: str = "") -> Iterator[None]:
+    """Time every call of `obj.name` into times[key or name] (this bench's breakdown only)."""
+    fn, own, key = getattr(obj, name), name in vars(obj), key or name
 
     def timed(*a: Any, **k: Any) -> Any:
         t0 = now()
         try:
             return fn(*a, **k)
         finally:
-            times[name] = times.get(name, 0.0) + now() - t0
+            times[key] = times.get(key, 0.0) + now() - t0
     setattr(obj, name, timed)
     try:
         yield
     finally:
-        setattr(obj, name, fn)
+        setattr(obj, name, fn) if own else delattr(obj, name)
 
 
 def breakdown(policy: Policy, batch: dict[str, torch.Tensor], spec: Any) -> dict[str, float]:
@@ -159,15 +159,17 @@ def breakdown(policy: Policy, batch: dict[str, torch.Tensor], spec: Any) -> dict
     w = policy.workers[0].worker
     times: dict[str, float] = {}
     t0 = now()
-    with (_timing(times, lp_mod, "_chunked"), _timing(times, lp_mod, "_shared_context"),
+    head = ((lp_mod._Head, "apply") if hasattr(lp_mod, "_Head")     # before: _chunked
+            else (lp_mod, "_chunked"))
+    with (_timing(times, *head, "head"), _timing(times, lp_mod, "_shared_context"),
           _timing(times, worker_mod, "objective"), _timing(times, w, "_forward"),
           _timing(times, w, "_optimizer_step"), _timing(times, torch.Tensor, "backward")):
         policy.train(batch, spec)
     total = now() - t0
     fwd = times.get("_forward", 0.0)
     out = {"shared prompt forward": times.get("_shared_context", 0.0),
-           "trunk forward": fwd - times.get("_chunked", 0.0) - times.get("_shared_context", 0.0),
-           "log-prob head (fwd)": times.get("_chunked", 0.0),
+           "trunk forward": fwd - times.get("head", 0.0) - times.get("_shared_context", 0.0),
+           "log-prob head (fwd)": times.get("head", 0.0),
            "loss": times.get("objective", 0.0), "backward": times.get("backward", 0.0),
            "optimizer": times.get("_optimizer_step", 0.0)}
     out["molt overhead (rest)"] = total - sum(out.values())

@@ -61,23 +61,14 @@ def token_logprobs(model: Any, batch: dict[str, torch.Tensor], temperature: floa
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=hidden.device)
     values = None if value_head is None else out.index_put(
         (rows, cols + 1), value_head(h.detach().float()).squeeze(-1))
-    if rows.numel() == 0:
-        # Stay in the graph so backward, and with it FSDP's reduce-scatters, runs on every rank.
-        return Forward(out + 0.0 * model.lm_head(hidden[:1, 0]).float().sum(), out, values, ids,
-                       aux)
-    logp, entropy = _chunked(model, h, targets, temperature, chunk)
-    return Forward(out.index_put((rows, cols + 1), logp), out.index_put((rows, cols + 1), entropy),
-                   values, ids, aux)
-
-
-def _chunked(model: Any, h: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """([N] log-probs of `targets`, [N] entropies) from `h` [N, H], `chunk` rows at a time."""
     banned = torch.tensor(multimodal.vision_token_ids(model.config), device=h.device,
                           dtype=torch.long)
-    pieces = [_Head.apply(h[s:s + chunk], targets[s:s + chunk], model.lm_head, banned,
-                          temperature) for s in range(0, h.shape[0], chunk)]
-    return torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])
+    # `chunk` rows at a time; with none, one empty chunk keeps backward (FSDP's reduce-scatters)
+    logp, entropy = (torch.cat(x) for x in zip(*(
+        _Head.apply(h[s:s + chunk], targets[s:s + chunk], model.lm_head, banned, temperature)
+        for s in range(0, max(len(h), 1), chunk))))
+    return Forward(out.index_put((rows, cols + 1), logp), out.index_put((rows, cols + 1), entropy),
+                   values, ids, aux)
 
 
 class _Head(torch.autograd.Function):
@@ -107,9 +98,9 @@ class _Head(torch.autograd.Function):
         with torch.no_grad():
             logp = _log_softmax(logits, banned, ctx.temperature)
             g_lp = torch.zeros_like(entropy) if g_logp is None else g_logp
-            coef = g_lp[:, None] if g_entropy is None else (
-                g_lp[:, None] + g_entropy[:, None] * (logp + entropy[:, None]))
-            g = logp.exp_().mul_(coef).neg_().scatter_add_(-1, targets[:, None], g_lp[:, None])
+            coef = -g_lp[:, None] if g_entropy is None else (
+                -g_lp[:, None] - g_entropy[:, None] * (logp + entropy[:, None]))
+            g = logp.exp_().mul_(coef).scatter_add_(-1, targets[:, None], g_lp[:, None])
             g = (g / ctx.temperature if ctx.temperature != 1 else g).to(logits.dtype)
         torch.autograd.backward(logits, g)          # lm_head's weight grads, if it trains
         return h.grad, None, None, None, None

@@ -62,7 +62,7 @@ class PolicyWorker:
         self.value_head: torch.nn.Linear | None = None   # the critic, lazy
         self.optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                        lr=trainer["lr"], betas=tuple(trainer["betas"]),
-                                       weight_decay=trainer["weight_decay"])
+                                       weight_decay=trainer["weight_decay"], fused=True)
 
     def _build_model(self, model_path: str, dtype: torch.dtype) -> torch.nn.Module:
         """The HF model, each decoder layer and the root `fully_shard` over all ranks
@@ -123,7 +123,13 @@ class PolicyWorker:
 
     def _forward(self, mb: dict[str, torch.Tensor], temperature: float,
                  value_head: torch.nn.Module | None = None, model: Any = None) -> Forward:
-        return (model or self.model).molt_token_logprobs(
+        model = model or self.model
+        if self.device.type == "cpu" and self.dtype != "float32":
+            # bf16 rows of <= 256 tokens: eager attention (matmuls) runs 2-4x faster than SDPA's
+            # flash kernel on CPU, which wins on longer rows (bench/trainer_bound.py)
+            long = mb["input_ids"].shape[1] > 256
+            model.config._attn_implementation = "sdpa" if long else "eager"
+        return model.molt_token_logprobs(
             mb, temperature, self.cfg["logprob_chunk"], moe_routing=self.cfg["moe_routing"],
             value_head=value_head)
 
