@@ -27,7 +27,7 @@ def test_smollm2_lora_on_vllm(ray_local, smollm2_dir, tmp_path):
         f"model.path={smollm2_dir}", "engine.name=vllm", "engine.args={max_model_len: 512}",
         "trainer.steps=2", "rollout.groups_per_step=2", "rollout.group_size=2",
         "sampling.max_new_tokens=6", "eval.every=2", "eval.prompts=2", "eval.k=2",
-        "check.consistency_every=1", "check.consistency_tol=0.001"])
+        "check.consistency_every=1", "check.consistency_tol=0.001", "model.dtype=float32"])
     history = train(cfg, plugins, tmp_path, progress=False)
     steps = [h for h in history if "reward/mean" in h]
     evals = [h for h in history if "eval/time_s" in h]
