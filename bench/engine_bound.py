@@ -10,12 +10,15 @@ each workload (the recipe's groups x group_size rows sharing a prompt per group,
 distinct prompts) and each dtype:
   engine  `HFEngine.generate_batch` of the requests (stop ids off, so every row makes exactly
           max_new_tokens tokens and both loops do the same work);
-  bare    a plain HF forward with a DynamicCache over the same left-padded rows (each distinct
-          prompt prefilled once, as the engine does), softmax + torch.multinomial, nothing else;
+  bare    a plain HF model's forward (its own copy: sdpa, aten GEMMs) with a DynamicCache over
+          the same left-padded rows (each distinct prompt prefilled once, as the engine does),
+          softmax + torch.multinomial, nothing else;
   engine@REV  (`--before REV`) the engine as of git revision REV, for a before/after;
   bound   prefill FLOPs / matmul rate + per decode step max(weight bytes / bandwidth, step FLOPs
           / matmul rate), with bandwidth from a sum over a tensor the size of the weights and the
-          rate from a 1024^3 matmul in the same dtype, both on the same threads.
+          rate from a 1024^3 matmul in the same dtype, both on the same threads: the faster of
+          aten's (MKL's sgemm in fp32: ~110 GFLOP/s a thread on this AMD CPU) and oneDNN's on a
+          packed weight (~260 in fp32), as the engine runs its Linear layers.
 `--clock cpu` times everything (bounds included) in process CPU time, steadier with one thread
 on a loaded box (with more, idle OpenMP threads spin and count). Prints best and median seconds,
 tokens/s, ms per decode step, engine/bare and engine/bound ratios, and where the time goes
@@ -38,7 +41,7 @@ from collections import defaultdict
 from dataclasses import asdict
 
 import torch
-from transformers import AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from molt_core.cli import load
 from molt_core.engines.hf import HFEngine
@@ -119,9 +122,7 @@ def run_engine(engine: HFEngine, rows: list[list[int]], sampling: dict,
 @torch.no_grad()
 def run_bare(model, rows: list[list[int]], new_tokens: int, gen: torch.Generator,
              pad: int) -> tuple[Clock, int]:
-    """HF forward (sdpa) + DynamicCache + multinomial, the minimal batched decode of `rows`."""
-    impl = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")
+    """HF forward + DynamicCache + multinomial, the minimal batched decode of `rows`."""
     clock = Clock()
     t0 = now()
     first: dict = {}
@@ -149,7 +150,6 @@ def run_bare(model, rows: list[list[int]], new_tokens: int, gen: torch.Generator
         logits = forward(input_ids=token, attention_mask=mask, position_ids=pos,
                          past_key_values=cache, use_cache=True).logits[:, -1]
     clock.s["total"] = now() - t0
-    model.set_attn_implementation(impl)
     return clock, new_tokens - 1
 
 
@@ -187,7 +187,11 @@ def bounds(model, dtype: torch.dtype, rows: list[list[int]], new_tokens: int) ->
     bandwidth = weights / best_of(x.sum)
     del x
     a, b = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
-    rate = 2 * 1024 ** 3 / best_of(lambda: a @ b)
+    packed = torch.ops.mkldnn._reorder_linear_weight(b)
+    rates = {"aten": 2 * 1024 ** 3 / best_of(lambda: a @ b),     # MKL's sgemm in fp32
+             "onednn packed": 2 * 1024 ** 3 / best_of(
+                 lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))}
+    rate = max(rates.values())
     distinct = {tuple(r) for r in rows}
     prefill = sum(2 * linear * len(p) + attn * len(p) ** 2 / 2 for p in distinct)
     L = max(len(r) for r in rows)
@@ -197,11 +201,15 @@ def bounds(model, dtype: torch.dtype, rows: list[list[int]], new_tokens: int) ->
     xs = {m.in_features: torch.randn(len(rows), m.in_features, dtype=dtype)
           for m in model.modules() if isinstance(m, torch.nn.Linear)}
     linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    matmuls = best_of(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in linears])
+    packs = [torch.ops.mkldnn._reorder_linear_weight(w) for w in linears]
+    matmuls = {"aten": best_of(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w)
+                                        for w in linears]),
+               "onednn packed": best_of(lambda: [torch.ops.mkldnn._linear_pointwise(
+                   xs[w.shape[1]], p, None, "none", [], "") for w, p in zip(linears, packs)])}
     return {"weights_gb": weights / 1e9, "bandwidth_gbs": bandwidth / 1e9,
-            "matmul_gflops": rate / 1e9, "prefill_s": prefill / rate,
+            "matmul_gflops": {k: v / 1e9 for k, v in rates.items()}, "prefill_s": prefill / rate,
             "step_ms": 1e3 * statistics.mean(step_s), "total_s": prefill / rate + sum(step_s),
-            "step_matmuls_ms": 1e3 * matmuls,
+            "step_matmuls_ms": {k: 1e3 * v for k, v in matmuls.items()},
             "step_bound_by": "flops" if steps[0] / rate > weights / bandwidth else "bandwidth"}
 
 
@@ -243,6 +251,8 @@ def main() -> None:
           flush=True)
     engines = {d: HFEngine(cfg.model.path, dtype=d, num_threads=threads, seed=cfg.seed)
                for d in dtypes}
+    plain = {d: AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, d))
+             for d in dtypes}
     before = {d: engine_at(rev)(cfg.model.path, dtype=d, num_threads=threads, seed=cfg.seed)
               for d in dtypes} if rev else {}
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -250,7 +260,7 @@ def main() -> None:
     for name, rows in workloads.items():
         for d, engine in engines.items():
             runners = {"engine": lambda: run_engine(engine, rows, sampling),
-                       "bare": lambda: run_bare(engine.model, rows, n, gen, engine.pad_id)}
+                       "bare": lambda: run_bare(plain[d], rows, n, gen, engine.pad_id)}
             if rev:
                 runners[f"engine@{rev}"] = lambda: run_engine(before[d], rows, sampling)
             runs: dict[str, list] = {k: [] for k in runners}
@@ -285,8 +295,10 @@ def main() -> None:
                                                 x["breakdown_s"].items()))
             print(f"  bound   {bd['total_s']:.3f} s (prefill {bd['prefill_s']:.3f} s, step "
                   f"{bd['step_ms']:.1f} ms by {bd['step_bound_by']}; {bd['weights_gb']:.3f} GB "
-                  f"at {bd['bandwidth_gbs']:.1f} GB/s, {bd['matmul_gflops']:.0f} GFLOP/s); a "
-                  f"step's matmuls at their shapes {bd['step_matmuls_ms']:.1f} ms")
+                  f"at {bd['bandwidth_gbs']:.1f} GB/s; GFLOP/s " + ", ".join(
+                      f"{k} {v:.0f}" for k, v in bd["matmul_gflops"].items()) + "); a "
+                  "step's matmuls at their shapes, ms: " + ", ".join(
+                      f"{k} {v:.1f}" for k, v in bd["step_matmuls_ms"].items()))
             print("  " + "  ".join(f"{k} {v:.2f}" for k, v in out["ratios"].items()))
             print("  engine log-prob gap " + "  ".join(
                 f"{k}: max {v['max']:.2g} mean {v['mean']:.2g}"

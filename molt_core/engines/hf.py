@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -54,10 +55,15 @@ class HFEngine:
         self.model = multimodal.load_model(model_path, getattr(torch, dtype)).to(self.device).eval()
         self.model.requires_grad_(False)
         moe.keep_router_fp32(self.model)      # as the trainer: weight updates keep each dtype
-        if dtype != "float32" and self.device.type == "cpu":
+        if self.device.type == "cpu" and dtype != "float32":         # see _sdpa_rows
             AttentionInterface.register("molt_rows", _sdpa_rows)
             AttentionMaskInterface.register("molt_rows", sdpa_mask)
             self.model.set_attn_implementation("molt_rows")
+        elif self.device.type == "cpu" and torch.backends.mkldnn.is_available():
+            # aten's fp32 GEMM is MKL's, oneDNN's is ~1.9x as fast on this AMD box at batch 32
+            for m in self.model.modules():
+                if type(m) is torch.nn.Linear:        # updates copy into the bound parameters
+                    m.forward = partial(_linear, m.weight, m.bias)
         config = AutoConfig.from_pretrained(model_path)
         self._image_id = config.image_token_id if multimodal.is_vl(config) else None
         self._banned = multimodal.vision_token_ids(config)    # never sampled
@@ -413,6 +419,10 @@ class HFEngine:
         tokens = torch.stack([_multinomial(p, g or self.generator) for p, g in
                               zip(filtered.softmax(-1), rngs or [None] * len(logits))])
         return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def _sdpa_rows(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
