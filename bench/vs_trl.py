@@ -50,8 +50,9 @@ Semantic differences that remain:
   may move fp32 rounding).
 - async (`addition` only): Molt samples up to one version behind (max_staleness 1) with a TIS
   correction; TRL has no asynchronous mode here, so async rows compare with TRL's synchronous run.
-- TRL runs in fp32 without gradient checkpointing, like Molt (`bf16=False,
-  gradient_checkpointing=False`; TRL's defaults are bf16 autocast and checkpointing).
+- TRL computes in the recipe's `model.dtype` over fp32 weights, like Molt: `bf16=True` (bf16
+  autocast, TRL's default) where the recipe says bfloat16, else fp32; no gradient checkpointing
+  on either side (TRL's default has it).
 - Molt runs a group's shared prompt once (engine prefill, trainer forward); TRL runs every row
   whole. Same log-probs and gradients up to fp32 rounding.
 - Peak RSS: each side's process tree (Molt: driver, Ray's daemons, trainer and engine actors),
@@ -309,7 +310,7 @@ def run_trl(spec: dict) -> dict:
         loss_type="dapo", beta=g["kl_coef"], entropy_coef=g["entropy_coef"],
         scale_rewards="group", max_steps=spec["steps"], logging_steps=1, report_to=[],
         save_strategy="no", use_cpu=True, shuffle_dataset=False, seed=spec["seed"],
-        disable_tqdm=True, log_completions=False, bf16=False, gradient_checkpointing=False)
+        disable_tqdm=True, log_completions=False, bf16=spec["bf16"], gradient_checkpointing=False)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tok,
                           train_dataset=Dataset.from_list(spec["rows"]), callbacks=[Stamp()],
                           peft_config=peft)
@@ -387,6 +388,7 @@ def trl_spec(cfg, plugins, reward: str, threads: int, out_dir: str) -> dict:
     held = {**args, **cfg.eval.agent_args, "env_args": {
         **args.get("env_args", {}), **cfg.eval.agent_args.get("env_args", {})}}
     return {"model": str(ROOT / cfg.model.path), "steps": t.steps, "seed": cfg.seed,
+            "bf16": cfg.model.dtype == "bfloat16",
             "threads": threads, "geometry": g, "out_dir": out_dir, "reward": reward,
             "rows": prompts(plugins, args, [cfg.seed * 1_000_003 + i
                                             for i in range(t.steps * r.groups_per_step)]),
