@@ -2,8 +2,8 @@
 box's bounds (issue 29): SmolLM2-135M-Instruct, the smollm2 recipe's real prompts.
 
     python bench/engine_bound.py [--threads N] [--dtypes float32,bfloat16] [--reps R]
-                                 [--clock wall|cpu] [--before REV] [--recipe PATH]
-                                 [key=value ...]
+                                 [--clock wall|cpu] [--before REV] [--workload NAME]
+                                 [--recipe PATH] [key=value ...]
 
 In one process, interleaved (the box is shared: absolute times are noisy, compare ratios), for
 each workload (the recipe's groups x group_size rows sharing a prompt per group, and batch 32
@@ -238,12 +238,15 @@ def main() -> None:
     reps = int(_arg(args, "--reps", "5"))
     recipe = _arg(args, "--recipe", "recipes/cpu/smollm2_arithmetic.yaml")
     rev = _arg(args, "--before", "")
+    only = _arg(args, "--workload", "")                 # one of the two (default both)
     cfg, plugins = load(recipe, args)
     r, s = cfg.rollout, cfg.sampling
     groups = [p for p in prompts(cfg, plugins, list(range(r.groups_per_step)))
               for _ in range(r.group_size)]
     workloads = {f"{r.groups_per_step}x{r.group_size}": groups,
                  "32 distinct": prompts(cfg, plugins, list(range(100, 132)))}
+    if only:
+        workloads = {k: v for k, v in workloads.items() if k == only}
     sampling = {**asdict(s), "stop_token_ids": []}      # every row makes max_new_tokens tokens
     n = s.max_new_tokens
     print(f"clock {now.__name__}, threads {threads}, dtypes {dtypes}, reps {reps}, {n} new "
