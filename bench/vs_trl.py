@@ -231,6 +231,43 @@ class PeakRSS(threading.Thread):
         return {"rss_total_gib": self.total / 2**30, "rss_largest_gib": self.largest / 2**30}
 
 
+def bounds(threads: list[int], reps: int = 8) -> dict:
+    """This box's bounds now: the best of `reps` square matmuls per dtype and thread count
+    (GFLOP/s), and memory bandwidth (GB/s) as the best of `reps` reads of a 1 GiB tensor."""
+    import torch
+    before, out = torch.get_num_threads(), {}
+    for n in threads:
+        torch.set_num_threads(n)
+        for dtype in (torch.float32, torch.bfloat16):
+            a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+            a @ b
+            best = min(_timed(lambda: a @ b) for _ in range(reps))
+            out[f"matmul {str(dtype)[6:]} {n}t GFLOP/s"] = 2 * 2048**3 / best / 1e9
+        x = torch.ones(2**28)       # 1 GiB fp32
+        best = min(_timed(x.sum) for _ in range(reps))
+        out[f"read {n}t GB/s"] = x.numel() * 4 / best / 1e9
+    torch.set_num_threads(before)
+    return out
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def param_count(model_dir: str) -> int:
+    """Parameters in the checkpoint (a tied lm_head counted once)."""
+    import math
+
+    from safetensors import safe_open
+    n = 0
+    for f in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            n += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    return n
+
+
 # --- TRL side (runs in .venv-trl: no molt imports) ---------------------------------------------
 
 def greedy_accuracy(model, tok, rows: list[dict], new_tokens: int, reward) -> float:
@@ -291,7 +328,9 @@ def run_trl(spec: dict) -> dict:
         def on_log(self, args, state, control, logs=None, model=None, **kw):
             if logs and "reward" in logs:
                 steps.append({"t": time.time(), "reward": logs["reward"],
-                              "gen_s": gen_s[-1] if gen_s else 0.0})
+                              "gen_s": gen_s[-1] if gen_s else 0.0,
+                              "trained_tokens": logs.get("completions/mean_length", 0.0)
+                              * g["prompts"] * g["samples"]})
                 held_out(model, state.global_step)
 
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
@@ -337,7 +376,10 @@ def run_molt(spec: dict) -> dict:
         @hookimpl
         def molt_on_step_end(self, step, metrics):
             steps.append({"t": time.time(), "reward": metrics["reward/mean"],
-                          "gen_s": metrics["time/generate_s"]})
+                          "gen_s": metrics["time/generate_s"],
+                          "trained_tokens": metrics["response/len_mean"]
+                          * metrics["rollout/trajectories"],
+                          **{k: v for k, v in metrics.items() if k.startswith("time/")}})
             peak.append(metrics.get("memory/trainer_peak_gib", 0.0))
 
     evaluate = trainer.evaluate
@@ -409,7 +451,7 @@ def launch(python: str, side: str, spec: dict, tmp: Path) -> dict:
 
 
 def summary(run: dict, warmup: int, window: int, levels: list[float], acc_levels: list[float],
-            tokens: int) -> dict:
+            tokens: int, flop_per_token: float, decode_bytes: float) -> dict:
     evals = run["evals"]
 
     def clock(t: float) -> float:   # seconds since launch, held-out evaluations left out
@@ -424,6 +466,7 @@ def summary(run: dict, warmup: int, window: int, levels: list[float], acc_levels
            "generation s (median)": statistics.median(gens),
            "generation share": sum(gens) / sum(dts),
            "tokens/s (sampled, median step)": tokens / statistics.median(dts),
+           **phases(s[warmup + 1:], dts, flop_per_token, decode_bytes),
            "final reward": statistics.mean(x["reward"] for x in s[-window:])}
     for lv in levels:
         out[f"s to reward {lv:g}"] = next(
@@ -443,6 +486,22 @@ def summary(run: dict, warmup: int, window: int, levels: list[float], acc_levels
     return out
 
 
+def phases(s: list[dict], dts: list[float], flop_per_token: float, decode_bytes: float) -> dict:
+    """Medians over steps: each phase's seconds, the trainer's GFLOP/s on trained tokens (6 x
+    parameters a token), and the engine's weight reads (parameter bytes per decode step) per
+    second of generation; Molt times its phases, TRL's train phase is the step less generation."""
+    med = statistics.median
+    gen = [x.get("time/engine_busy_s", x["gen_s"]) for x in s]    # async: the engine's own time
+    train = [x.get("time/train_s", dt - x["gen_s"]) for x, dt in zip(s, dts)]
+    out = {"train s (median)": med(train),
+           "weight sync s (median)": med(x.get("time/weight_sync_s", 0.0) for x in s),
+           "engine busy s (median)": med(gen),
+           "trainer GFLOP/s (trained tokens)": med(
+               flop_per_token * x["trained_tokens"] / t for x, t in zip(s, train)) / 1e9,
+           "engine weight reads GB/s": decode_bytes / med(gen) / 1e9}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", nargs=3, metavar=("SIDE", "SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -457,6 +516,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads of TRL's process "
                     "and of each Molt actor (Molt: ray.num_cpus); 0: each side's default")
     ap.add_argument("--trl-python", default=str(ROOT / ".venv-trl/bin/python"))
+    ap.add_argument("--json", default="", help="write the raw runs and the table here too")
     ap.add_argument("overrides", nargs="*", help="key=value for the recipe (both sides)")
     args = ap.parse_args()
     if args.worker:
@@ -488,19 +548,27 @@ def main() -> None:
     r = cfg.rollout
     tokens = r.groups_per_step * r.group_size * cfg.sampling.max_new_tokens
     results = {}
+    box = bounds(sorted({1, os.cpu_count() or 1}))
     with tempfile.TemporaryDirectory() as tmp:
         spec = trl_spec(cfg, plugins, w["reward"], args.threads, tmp + "/trl")
         results["trl"] = launch(args.trl_python, "trl", spec, Path(tmp))
         for scheme in (args.schemes or w["schemes"]).split(","):
             spec = {"recipe": w["recipe"], "overrides": common + scheme_args[scheme]}
             results[f"molt {scheme}"] = launch(sys.executable, "molt", spec, Path(tmp))
-    rows = {k: summary(v, args.warmup, args.window, levels, acc_levels, tokens)
-            for k, v in results.items()}
+    n = param_count(str(ROOT / w["model"]))
+    decode_bytes = n * (2 if cfg.model.dtype == "bfloat16" else 4) * cfg.sampling.max_new_tokens
+    rows = {k: summary(v, args.warmup, args.window, levels, acc_levels, tokens, 6.0 * n,
+                       decode_bytes) for k, v in results.items()}
     load_avg = os.getloadavg()
     print(f"\n{args.workload}: {r.groups_per_step}x{r.group_size} samples, "
           f"{cfg.sampling.max_new_tokens} new tokens, lr {cfg.trainer.lr:g}, lora rank "
           f"{cfg.trainer.lora.rank}, {cfg.trainer.steps} steps; load average "
           f"{load_avg[0]:.2f} {load_avg[1]:.2f} {load_avg[2]:.2f}")
+    box.update({f"{k} (after)": v for k, v in bounds(sorted({1, os.cpu_count() or 1})).items()})
+    print("bounds: " + ", ".join(f"{k} {v:.0f}" for k, v in box.items()))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": results, "rows": rows, "bounds": box,
+                                               "load": load_avg}, indent=1))
     names = list(rows)
     print(f"{'':34}" + "".join(f"{n:>14}" for n in names)
           + "".join(f"{n + '/trl':>18}" for n in names[1:]))
