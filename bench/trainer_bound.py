@@ -3,7 +3,9 @@ SmolLM2-135M-Instruct with the smollm2 workload's rows (4 recipe prompts x 8 sam
 tokens, sampled once with HF `generate`), timed interleaved with, in the same process,
   bare   a plain PyTorch forward/backward/AdamW on the same rows (HF model, PEFT LoRA or full, the
          same compute dtype; lm_head only at trainable positions; no Molt), and
-  matmul a plain square matmul at the trainer's threads, fp32 and bf16 (the bound).
+  matmul a plain square matmul at the trainer's threads, fp32 and bf16 (the bound), and the
+         model's own matmuls at their shapes in the compute dtype: for every Linear weight the
+         three GEMMs 6 x N counts, on the trained tokens' rows (`shapes`, the tighter bound).
 
     python bench/trainer_bound.py [--full] [--rounds 5] [--threads 2] [--clock wall|cpu]
                                   [key=value ...]   (recipe overrides, e.g. model.dtype=bfloat16)
@@ -136,6 +138,32 @@ def matmul_gflops(dtype: torch.dtype, threads: int, n: int = 2048, seconds: floa
     return 2 * n**3 * done / (now() - t0) / 1e9
 
 
+def shape_gflops(model: torch.nn.Module, tokens: int, dtype: torch.dtype, threads: int,
+                 reps: int = 3) -> float:
+    """The matmul bound at the model's own shapes: for every Linear weight W [out, in] (lm_head
+    included), the three GEMMs that 6 x N counts for `tokens` rows (X W^T, G W, G^T X) as plain
+    matmuls in `dtype`; 6 x N x tokens over their best time."""
+    torch.set_num_threads(threads)
+    shapes: dict[tuple[int, int], int] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and ".lora_" not in name:   # adapters: not in N
+            shapes[tuple(m.weight.shape)] = shapes.get(tuple(m.weight.shape), 0) + 1
+    best, flop = float("inf"), 0.0
+    for _ in range(reps):
+        total, flop = 0.0, 0.0
+        for (out, inp), count in shapes.items():
+            w, x = torch.randn(out, inp, dtype=dtype), torch.randn(tokens, inp, dtype=dtype)
+            g = torch.randn(tokens, out, dtype=dtype)
+            for fn in (lambda: x @ w.T, lambda: g @ w, lambda: g.T @ x):
+                fn()
+                t0 = now()
+                fn()
+                total += (now() - t0) * count
+            flop += 6.0 * out * inp * tokens * count
+        best = min(best, total)
+    return flop / best / 1e9
+
+
 @contextmanager
 def _timing(times: dict[str, float], obj: Any, name: str, key: str = "") -> Iterator[None]:
     """Time every call of `obj.name` into times[key or name] (this bench's breakdown only)."""
@@ -210,7 +238,9 @@ def main() -> None:
     def molt() -> None:
         torch.set_num_threads(threads)
         policy.train(batch, spec)
-    runs: dict[str, list[float]] = {"molt": [], "bare": [], "mm_fp32": [], "mm_bf16": []}
+    runs: dict[str, list[float]] = {"molt": [], "bare": [], "mm_fp32": [], "mm_bf16": [],
+                                    "mm_shapes": []}
+    model = policy.workers[0].worker.model
     molt(), bare()                       # warm-up: allocations, oneDNN kernels
     load0 = os.getloadavg()
     for _ in range(rounds):
@@ -220,6 +250,7 @@ def main() -> None:
             runs[name].append(now() - t0)
         runs["mm_fp32"].append(matmul_gflops(torch.float32, threads))
         runs["mm_bf16"].append(matmul_gflops(torch.bfloat16, threads))
+        runs["mm_shapes"].append(shape_gflops(model, trained, dtype, threads))
     parts = breakdown(policy, batch, spec)
     policy.shutdown()
     med = {k: statistics.median(v) for k, v in runs.items()}
@@ -235,7 +266,8 @@ def main() -> None:
         "step_s_median_best": {k: [round(med[k], 3), round(best[k], 3)] for k in ("molt", "bare")},
         "gflops_on_trained_tokens": {k: round(v, 1) for k, v in gf.items()},
         "matmul_bound_gflops_median_best": {k[3:]: [round(med[k], 1), round(best[k], 1)]
-                                            for k in ("mm_fp32", "mm_bf16")},
+                                            for k in ("mm_fp32", "mm_bf16", "mm_shapes")},
+        "molt_over_shape_bound": round(gf["molt"] / med["mm_shapes"], 3),
         "molt_over_fp32_bound": round(gf["molt"] / med["mm_fp32"], 3),
         "molt_over_bf16_bound": round(gf["molt"] / med["mm_bf16"], 3),
         "bare_over_fp32_bound": round(gf["bare"] / med["mm_fp32"], 3),
