@@ -122,9 +122,17 @@ torch.multinomial, with which the multi-token learning tests learn as before). O
 4 tokens 35 ms vs 115 ms for HF `generate` on the same batch; the trainer step 80 ms vs 155 ms for
 a bare fwd/bwd/AdamW over full rows (it was 185 ms). Log-probs match a full forward (tests).
 
-`smollm2` on the current recipe (additions and multiplications, operands 2-9, lr 3e-4, 20 steps,
-`eval.every=10`), measured 2026-12-01 at load ~2: held-out greedy accuracy TRL 0.125 -> 0.781 ->
-0.828, Molt 0.125 -> 0.875 -> 0.875 (steps 0, 10, 20); median step 14.7 s vs 13.7 s (0.93x),
+`smollm2` with the recipe in bf16 and Molt embedded, measured 2026-12-04 (`--workload smollm2
+eval.every=5`, load 1.3-1.7; the table and bounds: docs/benchmarks.md): Molt sync / async vs TRL
+start-up 10.1 / 10.6 s vs 17.7 s (0.57x / 0.60x), median step 3.56 / 2.62 s vs 10.9 s (0.33x /
+0.24x), wall time to held-out accuracy 0.7 23.4 / 21.2 s vs 116.5 s (0.20x / 0.18x; Molt at the
+step-5 evaluation, TRL at step 10), to 0.5 0.38x / 0.35x (all at step 5); the trainer 209 / 171
+GFLOP/s on trained tokens vs TRL's 63 (bounds in the same run: fp32 matmul ~210, bf16 ~880 on 2
+threads); peak RSS 2.8 GiB vs 5.5 GiB.
+
+Before (fp32, Ray actors): `smollm2` on the recipe then (additions and multiplications, operands
+2-9, lr 3e-4, 20 steps, `eval.every=10`), measured 2026-12-01 at load ~2: held-out greedy
+accuracy TRL 0.125 -> 0.781 -> 0.828, Molt 0.125 -> 0.875 -> 0.875 (steps 0, 10, 20); median step 14.7 s vs 13.7 s (0.93x),
 generation 36 % of it on both sides; start-up to the first step done 22 s vs 30 s (1.38x); wall time
 to held-out accuracy 0.7 (both at the step-10 evaluation) 151 s vs 151 s (1.00x), to a mean reward
 of 0.5 181 s vs 177 s (0.98x); final reward 0.78 on both; peak RSS 7.3 GiB vs 8.9 GiB (Molt's
@@ -179,7 +187,7 @@ WORKLOADS = {
                                 "the two numbers, add them, and answer at once.")]},
     "smollm2": {"model": ".cache/smollm2-135m-instruct",
                 "recipe": "recipes/cpu/smollm2_arithmetic.yaml", "reward": "math",
-                "schemes": "sync", "overrides": ["eval.k=0"]},
+                "schemes": "sync,async", "overrides": ["eval.k=0"]},
 }
 
 
