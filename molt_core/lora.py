@@ -5,6 +5,7 @@ require grad (and get AdamW state). Engines receive merged weights under the pla
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -30,7 +31,46 @@ def add_adapters(model: torch.nn.Module, lora: dict) -> torch.nn.Module:
     if not any(".lora_A." in n for n, _ in model.named_parameters()):
         raise ValueError(f"trainer.lora.target_modules={lora['target_modules']!r} matched no "
                          "Linear of the model: use PEFT module names (q_proj, ...) or all-linear")
+    from peft.tuners.lora.layer import Linear
+    for m in model.modules():
+        if type(m) is Linear:
+            m.forward = partial(_merged_forward, m)
     return model
+
+
+def _merged_forward(m: Any, x: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
+    base = m.base_layer
+    return _Merged.apply(x, base.weight, base.bias, m.lora_A["default"].weight,
+                         m.lora_B["default"].weight, m.scaling["default"])
+
+
+class _Merged(torch.autograd.Function):
+    """x (W + s B A)^T with the merged weight rounded to x's dtype, as the engines get it
+    (`merged`): in bf16 the trainer computes the engines' function (adding B A x apart, it saw
+    updates that the engines' rounding drops). Backward: A's and B's exact gradients through
+    the merged weight, never W's [out, in] one. (Molt never disables or merges PEFT's adapters:
+    the KL reference is a model of its own.)"""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                a: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
+        ctx.save_for_backward(x, w, a, b)
+        ctx.s = s
+        return torch.nn.functional.linear(x, _merge(w, a, b, s, x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        x, w, a, b = ctx.saved_tensors
+        g2, x2 = g.flatten(0, -2), x.flatten(0, -2)
+        ga, gb = (g2 @ b).T @ x2 * ctx.s, g2.T @ (x2 @ a.T) * ctx.s
+        return g @ _merge(w, a, b, ctx.s, g.dtype), None, None, ga.to(a.dtype), gb.to(b.dtype), None
+
+
+def _merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float, dtype: torch.dtype
+           ) -> torch.Tensor:
+    """W + s B A in `dtype`, rounded once (the GEMM accumulates in fp32): ~6x faster than
+    through fp32 copies of W, and what both the trainer's forward and the engines get."""
+    return torch.addmm(w.to(dtype), b.to(dtype), a.to(dtype), alpha=s)
 
 
 def _targets(model: torch.nn.Module, targets: str | list) -> str | list:
@@ -57,10 +97,8 @@ def merged(named: Named, scaling: float) -> Named:
                 p = parts.setdefault(mod, {})
                 p[key] = t
                 if len(p) == 3:
-                    w, a, b = (p[k] for k in "wab")
                     del parts[mod]
-                    delta = (b.float() @ a.float()) * scaling
-                    yield f"{mod}.weight", (w.float() + delta).to(w.dtype)
+                    yield f"{mod}.weight", _merge(p["w"], p["a"], p["b"], scaling, p["w"].dtype)
                 break
         else:
             yield name.replace(".base_layer.", "."), t

@@ -117,3 +117,28 @@ def test_lora_dropout_never_noises_trainer_logprobs(ray_local, tiny_model_dir):
     finally:
         policy.shutdown()
         ray.kill(engine)
+
+
+def test_adapted_linear_computes_the_engines_merged_weights():
+    """In bf16 the trainer's adapted Linear is x (W + s B A)^T with the merged weight rounded
+    as `lora.merged` rounds the engines' copy, bit for bit (adding s B A x apart, as PEFT does,
+    keeps updates the engines' rounding drops); A's and B's gradients are that function's."""
+    from molt_core.lora import _Merged, merged
+    torch.manual_seed(0)
+    w = torch.randn(48, 32).bfloat16()
+    a, b = torch.randn(4, 32).bfloat16().float(), (torch.randn(48, 4) * 1e-3).bfloat16().float()
+    x = torch.randn(2, 5, 32).bfloat16()
+    engine_w = dict(merged(iter([("l.base_layer.weight", w), ("l.lora_A.default.weight", a),
+                                 ("l.lora_B.default.weight", b)]), 2.0))["l.weight"]
+    y = _Merged.apply(x, w, None, a.bfloat16(), b.bfloat16(), 2.0)
+    assert torch.equal(y, torch.nn.functional.linear(x, engine_w))
+    peft_y = x @ w.T + (x @ a.bfloat16().T) @ b.bfloat16().T * 2.0
+    assert not torch.equal(y, peft_y)          # the rounding this test is about is there
+    # gradients in fp32 against autograd through W + s B A
+    x32 = x.float().requires_grad_()
+    a1, b1 = a.clone().requires_grad_(), b.clone().requires_grad_()
+    _Merged.apply(x32, w.float(), None, a1, b1, 2.0).square().sum().backward()
+    a2, b2, x2 = a.clone().requires_grad_(), b.clone().requires_grad_(), x.float().requires_grad_()
+    torch.nn.functional.linear(x2, w.float() + 2.0 * b2 @ a2).square().sum().backward()
+    for got, want in ((x32.grad, x2.grad), (a1.grad, a2.grad), (b1.grad, b2.grad)):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
