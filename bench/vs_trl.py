@@ -131,12 +131,12 @@ trainer 206 / 178 GFLOP/s on trained tokens vs TRL's 57 (bounds in the same run:
 ~215, bf16 ~900 on 2 threads); peak RSS 2.9 / 2.8 GiB vs 5.3 GiB.
 
 Before (fp32, Ray actors): `smollm2` on the recipe then (additions and multiplications, operands
-2-9, lr 3e-4, 20 steps, `eval.every=10`), measured 2026-12-01 at load ~2: held-out greedy
-accuracy TRL 0.125 -> 0.781 -> 0.828, Molt 0.125 -> 0.875 -> 0.875 (steps 0, 10, 20); median step 14.7 s vs 13.7 s (0.93x),
-generation 36 % of it on both sides; start-up to the first step done 22 s vs 30 s (1.38x); wall time
-to held-out accuracy 0.7 (both at the step-10 evaluation) 151 s vs 151 s (1.00x), to a mean reward
-of 0.5 181 s vs 177 s (0.98x); final reward 0.78 on both; peak RSS 7.3 GiB vs 8.9 GiB (Molt's
-process tree; its trainer 6.4 GiB).
+2-9, lr 3e-4, 20 steps, `eval.every=10`), measured 2026-12-01 at load ~2: held-out greedy accuracy
+TRL 0.125 -> 0.781 -> 0.828, Molt 0.125 -> 0.875 -> 0.875 (steps 0, 10, 20); median step 14.7 s vs
+13.7 s (0.93x), generation 36 % of it on both sides; start-up to the first step done 22 s vs 30 s
+(1.38x); wall time to held-out accuracy 0.7 (both at the step-10 evaluation) 151 s vs 151 s (1.00x),
+to a mean reward of 0.5 181 s vs 177 s (0.98x); final reward 0.78 on both; peak RSS 7.3 GiB vs 8.9
+GiB (Molt's process tree; its trainer 6.4 GiB).
 
 `smollm2` (before the recipe moved to additions and multiplications with operands 2-9 and lr 3e-4:
 this run used additions and subtractions with operands 2-30, lr 1e-4), measured 2026-12-01 (`--workload smollm2 eval.every=5`: 30 steps, 64 held-out problems;
