@@ -39,8 +39,7 @@ def add_adapters(model: torch.nn.Module, lora: dict) -> torch.nn.Module:
 
 
 def _merged_forward(m: Any, x: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
-    base = m.base_layer
-    return _Merged.apply(x, base.weight, base.bias, m.lora_A["default"].weight,
+    return _Merged.apply(x, m.base_layer.weight, m.base_layer.bias, m.lora_A["default"].weight,
                          m.lora_B["default"].weight, m.scaling["default"])
 
 

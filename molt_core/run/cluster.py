@@ -57,8 +57,9 @@ def prestart(recipe: str, overrides: list[str]) -> Iterator[None]:
         cfg = load_config(recipe, overrides)
     except ConfigError:
         cfg = None
-    if cfg and not (cfg.ray.address or ray.is_initialized() or _early or "torch" in sys.modules
-                    or embedded(cfg, trainer=True, cuda=False)):
+    if cfg and "torch" not in sys.modules and embedded(cfg, trainer=True, cuda=False):
+        os.environ.setdefault("OMP_WAIT_POLICY", "active")    # docs/benchmarks.md, "Two teams"
+    elif cfg and not (cfg.ray.address or ray.is_initialized() or _early or "torch" in sys.modules):
         _early["up"] = threading.Event()
         threading.Thread(target=_start_local, args=(cfg, _early["up"]), daemon=True).start()
     try:
