@@ -67,8 +67,7 @@ class _Merged(torch.autograd.Function):
 
 def _merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float, dtype: torch.dtype
            ) -> torch.Tensor:
-    """W + s B A in `dtype`, rounded once (the GEMM accumulates in fp32): ~6x faster than
-    through fp32 copies of W, and what both the trainer's forward and the engines get."""
+    """W + s B A in `dtype`, rounded once (fp32 accumulation): the trainer's and engines' weight."""
     return torch.addmm(w.to(dtype), b.to(dtype), a.to(dtype), alpha=s)
 
 

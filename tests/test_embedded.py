@@ -110,3 +110,33 @@ def test_embedded_run_is_step_for_step_the_ray_run(tiny_recipe: str, tmp_path: P
     assert rows["on"][-1]["check/canary_max_abs"] < 1e-4
     on, off = (load_file(runs[m] / "final/model.safetensors") for m in ("on", "off"))
     assert on.keys() == off.keys() and all(on[k].equal(off[k]) for k in on)
+
+
+_OMP = """import os, sys
+from molt_core.run import cluster
+with cluster.prestart(sys.argv[1], []):
+    print(os.environ.get("OMP_WAIT_POLICY"), "torch" in sys.modules)
+if sys.argv[2] == "ray":        # the guess was wrong (a CUDA box): Ray starts after all
+    cluster._start_local(cluster.load_config(sys.argv[1], []))
+    print(os.environ.get("OMP_WAIT_POLICY"))
+    cluster._shutdown()
+"""
+
+
+@pytest.mark.parametrize("user", ["", "passive"])
+def test_prestart_sets_active_omp_wait_for_one_process_only(user: str, tiny_recipe: str) -> None:
+    """Embedded, engine and trainer are two OpenMP teams in one process: `prestart` sets
+    OMP_WAIT_POLICY=active before torch loads (docs/benchmarks.md, "Two teams"). A user's own
+    value stays; where Ray starts after all, its actors (a process each) do not inherit ours."""
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")         # short: unix socket paths
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env.update({"RAY_TMPDIR": ray_tmp}, **({"OMP_WAIT_POLICY": user} if user else {}))
+    try:
+        proc = subprocess.run([sys.executable, "-c", _OMP, tiny_recipe, "" if user else "ray"],
+                              env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.split("\n")
+    assert lines[0] == f"{user or 'active'} False"
+    assert user or lines[1] == "None"
