@@ -39,30 +39,48 @@ def add_adapters(model: torch.nn.Module, lora: dict) -> torch.nn.Module:
 
 
 def _merged_forward(m: Any, x: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
-    return _Merged.apply(x, m.base_layer.weight, m.base_layer.bias, m.lora_A["default"].weight,
-                         m.lora_B["default"].weight, m.scaling["default"])
+    w, a, b, s = (m.base_layer.weight, m.lora_A["default"].weight, m.lora_B["default"].weight,
+                  m.scaling["default"])
+    kept = m.__dict__.get("molt_merged")       # `drop_merged(keep=True)` modules only
+    if "molt_merged" in m.__dict__ and (kept is None or kept.dtype != x.dtype):
+        with torch.no_grad():
+            kept = m.molt_merged = _merge(w, a, b, s, x.dtype)
+    return _Merged.apply(x, w, m.base_layer.bias, a, b, s, kept)
+
+
+def drop_merged(model: torch.nn.Module, keep: bool = False) -> None:
+    """Adapted layers that keep their merged weight drop it (the worker's `_reshard`, before
+    every optimizer step); `keep`: from now on every adapted layer keeps it from the step's first
+    forward: one merge a step, not one per forward and backward of each context (4 were ~8 % of a
+    CPU SmolLM2 step)."""
+    for m in model.modules():
+        if "molt_merged" in m.__dict__ or (keep and hasattr(m, "lora_A")):
+            m.molt_merged = None
 
 
 class _Merged(torch.autograd.Function):
     """x (W + s B A)^T with the merged weight rounded to x's dtype, as the engines get it
     (`merged`): in bf16 the trainer computes the engines' function (adding B A x apart, it saw
     updates that the engines' rounding drops). Backward: A's and B's exact gradients through
-    the merged weight, never W's [out, in] one. (Molt never disables or merges PEFT's adapters:
-    the KL reference is a model of its own.)"""
+    the merged weight, never W's [out, in] one; `kept`: the merged weight already made. (Molt
+    never disables or merges PEFT's adapters: the KL reference is a model of its own.)"""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-                a: torch.Tensor, b: torch.Tensor, s: float) -> torch.Tensor:
-        ctx.save_for_backward(x, w, a, b)
+                a: torch.Tensor, b: torch.Tensor, s: float, kept: torch.Tensor | None
+                ) -> torch.Tensor:
+        ctx.save_for_backward(x, w, a, b, kept)
         ctx.s = s
-        return torch.nn.functional.linear(x, _merge(w, a, b, s, x.dtype), bias)
+        return torch.nn.functional.linear(x, _merge(w, a, b, s, x.dtype) if kept is None
+                                          else kept, bias)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
-        x, w, a, b = ctx.saved_tensors
+        x, w, a, b, kept = ctx.saved_tensors
         g2, x2 = g.flatten(0, -2), x.flatten(0, -2)
         ga, gb = (g2 @ b).T @ x2 * ctx.s, g2.T @ (x2 @ a.T) * ctx.s
-        return g @ _merge(w, a, b, ctx.s, g.dtype), None, None, ga.to(a.dtype), gb.to(b.dtype), None
+        merged = _merge(w, a, b, ctx.s, g.dtype) if kept is None else kept
+        return g @ merged, None, None, ga.to(a.dtype), gb.to(b.dtype), None, None
 
 
 def _merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float, dtype: torch.dtype

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+import pytest
 import ray
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -123,22 +124,46 @@ def test_adapted_linear_computes_the_engines_merged_weights():
     """In bf16 the trainer's adapted Linear is x (W + s B A)^T with the merged weight rounded
     as `lora.merged` rounds the engines' copy, bit for bit (adding s B A x apart, as PEFT does,
     keeps updates the engines' rounding drops); A's and B's gradients are that function's."""
-    from molt_core.lora import _Merged, merged
+    from molt_core.lora import _merge, _Merged, merged
     torch.manual_seed(0)
     w = torch.randn(48, 32).bfloat16()
     a, b = torch.randn(4, 32).bfloat16().float(), (torch.randn(48, 4) * 1e-3).bfloat16().float()
     x = torch.randn(2, 5, 32).bfloat16()
     engine_w = dict(merged(iter([("l.base_layer.weight", w), ("l.lora_A.default.weight", a),
                                  ("l.lora_B.default.weight", b)]), 2.0))["l.weight"]
-    y = _Merged.apply(x, w, None, a.bfloat16(), b.bfloat16(), 2.0)
+    y = _Merged.apply(x, w, None, a.bfloat16(), b.bfloat16(), 2.0, None)
     assert torch.equal(y, torch.nn.functional.linear(x, engine_w))
+    kept = _merge(w, a, b, 2.0, torch.bfloat16)          # a merge kept through the step: same
+    assert torch.equal(_Merged.apply(x, w, None, a.bfloat16(), b.bfloat16(), 2.0, kept), y)
     peft_y = x @ w.T + (x @ a.bfloat16().T) @ b.bfloat16().T * 2.0
     assert not torch.equal(y, peft_y)          # the rounding this test is about is there
-    # gradients in fp32 against autograd through W + s B A
-    x32 = x.float().requires_grad_()
-    a1, b1 = a.clone().requires_grad_(), b.clone().requires_grad_()
-    _Merged.apply(x32, w.float(), None, a1, b1, 2.0).square().sum().backward()
+    # gradients in fp32 against autograd through W + s B A, merged now or kept
     a2, b2, x2 = a.clone().requires_grad_(), b.clone().requires_grad_(), x.float().requires_grad_()
     torch.nn.functional.linear(x2, w.float() + 2.0 * b2 @ a2).square().sum().backward()
-    for got, want in ((x32.grad, x2.grad), (a1.grad, a2.grad), (b1.grad, b2.grad)):
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    for keep in (None, _merge(w.float(), a, b, 2.0, torch.float32)):
+        x32 = x.float().requires_grad_()
+        a1, b1 = a.clone().requires_grad_(), b.clone().requires_grad_()
+        _Merged.apply(x32, w.float(), None, a1, b1, 2.0, keep).square().sum().backward()
+        for got, want in ((x32.grad, x2.grad), (a1.grad, a2.grad), (b1.grad, b2.grad)):
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("entropy", [0.0, 0.3])
+def test_frozen_head_gradient_is_autograds(entropy):
+    """A frozen lm_head (LoRA) makes d logp / dh in forward; a trained one (or entropy's gradient)
+    recomputes the logits in backward: both are autograd's through log_softmax (temperature and
+    banned ids included)."""
+    from molt_core.policy.logprobs import _Head
+    torch.manual_seed(0)
+    head, banned = torch.nn.Linear(16, 50, bias=False), torch.tensor([3, 7])
+    h0, t, g = torch.randn(9, 16), torch.randint(8, 50, (9,)), torch.randn(9)
+    h = h0.clone().requires_grad_()
+    lp = (h @ head.weight.T / 0.7).index_fill(-1, banned, -1e30).log_softmax(-1)
+    ent = -(lp.exp() * lp).sum(-1)
+    (lp.gather(-1, t[:, None])[:, 0] * g + entropy * ent).sum().backward()
+    for frozen in (True, False):
+        head.weight.requires_grad_(not frozen)
+        x = h0.clone().requires_grad_()
+        got_lp, got_ent = _Head.apply(x, t, head, banned, 0.7)
+        (got_lp * g + entropy * got_ent).sum().backward()
+        torch.testing.assert_close(x.grad, h.grad, rtol=1e-5, atol=1e-6)

@@ -283,3 +283,47 @@ def test_nonfinite_steps_are_skipped_and_abort_in_a_row(cluster, trained, model_
     with pytest.raises(RuntimeError, match=r"3 optimizer steps in a row.*max_nonfinite_steps=3"):
         p.train(bad, TrainStep(ppo_clip_loss, {}, "token-mean"))
     assert_params_close(p.full_params(), after, atol=0.0)
+
+
+def test_grouped_eager_attention_is_hfs_eager():
+    """The trainer's attention for short CPU bf16 rows (`molt_eager`: a KV head's G query heads
+    as G x T rows of one matmul) is HF's eager attention with repeat_kv: outputs and gradients,
+    causal and padding mask included."""
+    import types
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+    from molt_core.policy.worker import _grouped_eager
+    torch.manual_seed(0)
+    (b, h, kv, t, s, d), out = (2, 6, 2, 5, 8, 4), []
+    mask = torch.full((t, s), -1e9).triu(s - t + 1).repeat(b, 1, 1, 1)
+    mask[1, ..., :2] = -1e9                                          # row 1: left padding
+    module = types.SimpleNamespace(num_key_value_groups=h // kv, training=False)
+    qkv0 = torch.randn(b, h, t, d), torch.randn(b, kv, s, d), torch.randn(b, kv, s, d)
+    for fn in (eager_attention_forward, _grouped_eager):
+        qkv = [x.clone().requires_grad_() for x in qkv0]
+        y = fn(module, *qkv, mask, 0.5)[0]
+        y.mul(torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        out.append((y, *(x.grad for x in qkv)))
+    for got, want in zip(*out):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_fast_norms_are_hfs_rmsnorm(dtype):
+    """`fast_norms`: HF's RMSNorm as one autograd node, the same output bit for bit; x's and the
+    weight's gradients autograd's (fp64 exactly, bf16 within its rounding)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from molt_core.policy.logprobs import fast_norms
+    torch.manual_seed(0)
+    norms, out = [LlamaRMSNorm(24, eps=1e-5).to(dtype) for _ in range(2)], []
+    fast_norms(norms[1])
+    x0, g = torch.randn(3, 5, 24, dtype=dtype) * 3, torch.randn(3, 5, 24, dtype=dtype)
+    for n in norms:
+        n.weight.data = torch.linspace(0.5, 2, 24, dtype=dtype)
+        x = x0.clone().requires_grad_()
+        y = n(x)
+        y.mul(g).sum().backward()
+        out.append((y, x.grad, n.weight.grad))
+    assert torch.equal(out[0][0], out[1][0])
+    tol = {} if dtype == torch.float64 else {"rtol": 0.02, "atol": 0.05}
+    for got, want in zip(out[1][1:], out[0][1:]):
+        torch.testing.assert_close(got, want, **tol)

@@ -5,6 +5,7 @@ code path as world size N."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import time
@@ -23,9 +24,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
                                     OffloadPolicy, fully_shard, register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from molt_core import lora, moe, multimodal, weight_sync
-from molt_core.policy.logprobs import Forward, token_logprobs
+from molt_core.policy.logprobs import Forward, fast_norms, token_logprobs
 from molt_core.policy.objective import Tally, TrainStep, needs_reference, objective
 from molt_core.run import checkpoint as ckpt
 
@@ -47,6 +50,10 @@ class PolicyWorker:
         self.rank, self.world_size, self.cfg = rank, world_size, trainer
         cuda = torch.cuda.is_available()
         self.device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
+        if not cuda and hasattr(libc := ctypes.CDLL(None), "mallopt"):
+            # glibc gives each freed block over 32 MiB back to the OS and faults the next one's
+            # pages in again ([512, 49152] fp32 log_softmax: 31 ms, 7 ms in kept memory)
+            libc.mallopt(-4, 0), libc.mallopt(-1, 1 << 30)   # M_MMAP_MAX, M_TRIM_THRESHOLD
         timeout = timedelta(seconds=trainer["timeout_s"])
         store = dist.TCPStore(master_addr, master_port, world_size, False, timeout=timeout)
         dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank,
@@ -74,6 +81,7 @@ class PolicyWorker:
         lora_rank = self.cfg["lora"]["rank"]
         model = multimodal.load_model(model_path, dtype if lora_rank else torch.float32)
         moe.keep_router_fp32(model)     # frozen LoRA bases load in `dtype`, routers stay fp32
+        fast_norms(model)
         model = model.to(self.device)
         if lora_rank:
             model = lora.add_adapters(model, self.cfg["lora"])
@@ -100,6 +108,7 @@ class PolicyWorker:
         self.share_context = self.world_size == 1 and not multimodal.is_vl(model.config)
         model.set_reshard_after_forward(not self.share_context)
         model.set_reshard_after_backward(not self.share_context)
+        lora.drop_merged(model, keep=self.share_context and self.device.type == "cpu")
         return model
 
     def ready(self) -> int:
@@ -128,7 +137,7 @@ class PolicyWorker:
             # bf16 rows of <= 256 tokens: eager attention (matmuls) runs 2-4x faster than SDPA's
             # flash kernel on CPU, which wins on longer rows (bench/trainer_bound.py)
             long = mb["input_ids"].shape[1] > 256
-            model.config._attn_implementation = "sdpa" if long else "eager"
+            model.config._attn_implementation = "sdpa" if long else "molt_eager"
         return model.molt_token_logprobs(
             mb, temperature, self.cfg["logprob_chunk"], moe_routing=self.cfg["moe_routing"],
             value_head=value_head)
@@ -325,6 +334,25 @@ class PolicyWorker:
 _IMAGE_KEYS = ("pixel_values", "image_grid_thw")   # per row, not per token (collate)
 
 
+def _grouped_eager(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, scaling: float, **_: Any
+                   ) -> tuple[torch.Tensor, None]:
+    """HF's eager attention (no dropout) with each KV head's G query heads as G x T rows of one
+    matmul instead of K and V copied G times (`repeat_kv`): those copies and their backward sums
+    were ~5 % of a CPU SmolLM2 step."""
+    (b, h, t, d), kv = query.shape, key.shape[1]
+    w = query.reshape(b, kv, h // kv * t, d) @ key.transpose(2, 3) * scaling
+    if attention_mask is not None:
+        w = (w.view(b, kv, h // kv, t, -1) + attention_mask[:, :, None, :, :key.shape[2]]
+             ).flatten(2, 3)
+    w = w.softmax(-1, dtype=torch.float32).to(query.dtype)
+    return (w @ value).view(b, h, t, d).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("molt_eager", _grouped_eager)
+AttentionMaskInterface.register("molt_eager", eager_mask)
+
+
 def _peak_gib() -> float:
     """This step's peak allocated GPU memory, or on CPU the rank's peak RSS so far (GiB)."""
     if torch.cuda.is_available():
@@ -341,6 +369,7 @@ def _reshard(model: Any) -> None:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
+    lora.drop_merged(model)
 
 
 def _with_forward(model: Any, share_context: bool) -> Any:
