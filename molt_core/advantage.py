@@ -77,10 +77,9 @@ def _per_turn(batch: dict[str, torch.Tensor], adv: torch.Tensor,
 def training_batch(trajs: list[Trajectory], estimator: Callable, alg: AlgorithmConfig,
                    policy: Any, temperature: float, pad_id: int
                    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, float]]:
-    """Collate one row per segment (a segment never attends to another) with `advantages` (and
-    `returns`, `old_values` for per-token estimators), its rollout's `rollout_index` and trainable
-    `rollout_tokens` ([B, 1]). Returns the batch, the advantages of the estimator's units
-    (rollouts, or trainable tokens) and metrics."""
+    """Collate one row per segment (`Trajectory.split_segments`) with `advantages` (and `returns`,
+    `old_values` for per-token estimators), its rollout's `rollout_index` and trainable
+    `rollout_tokens` ([B, 1]). Returns the batch, the estimator's units' advantages and metrics."""
     rows = [(s, i) for i, t in enumerate(trajs) for s in t.split_segments()]
     batch = collate([s for s, _ in rows], None, pad_id=pad_id)
     traj_of = torch.tensor([i for _, i in rows])                           # [B]
@@ -132,8 +131,7 @@ def training_batch(trajs: list[Trajectory], estimator: Callable, alg: AlgorithmC
 
 def _check_shapes(fn: Callable, name: str, out: Any, shape: torch.Size, want: str, n: int = 1,
                   mask: torch.Tensor | None = None) -> None:
-    """The estimator's outputs have `shape` and are finite (at `mask`): else one PluginError
-    naming the estimator and its plugin."""
+    """Outputs of `shape` and finite (at `mask`), else a PluginError naming estimator and plugin."""
     what = getattr(fn, "molt_origin", f"estimator '{name}'")
     if len(out) != n or any(not isinstance(x, torch.Tensor) or x.shape != shape for x in out):
         got = [tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in out]

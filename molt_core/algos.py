@@ -18,9 +18,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str,
-              num_tokens: int, num_seqs: float, seq_tokens: torch.Tensor | None = None
-              ) -> torch.Tensor:
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, num_tokens: int,
+              num_seqs: float, seq_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """Reduce a per-token loss [B, T] to this micro-batch's share of the step's loss.
 
     token-mean:           sum_{i,t} l_it / N_tokens
@@ -186,10 +185,8 @@ def is_correction(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask:
     log-probs before the batch's first optimizer step; used detached):
       tis:      weight_t = min(w_t, cap)                          (token-level truncated IS)
       icepop:   weight_t = w_t * 1[low <= w_t <= high]            (IcePop, Ring-1T report)
-      mis:      weight_t = rho * 1[rho <= cap], rho = prod_s w_s  (sequence-level masked IS,
-                                                                   Liu et al.)
-      geo_mask: weight_t = 1[low <= exp(mean_s log w_s) <= high]  (sequence rejection on the
-                                                                   geometric mean; weight 1)
+      mis:      weight_t = rho * 1[rho <= cap], rho = prod_s w_s  (sequence masked IS, Liu et al.)
+      geo_mask: weight_t = 1[low <= exp(mean_s log w_s) <= high]  (sequence rejection, weight 1)
       none:     weight_t = 1
     A sequence (s) is a rollout: all rows of its `rollout_index` [B, 1] (`rollout_sum`).
     The weight is 0 outside `mask`. Metrics ([B, T], averaged over trainable tokens):

@@ -1,7 +1,5 @@
 """`molt run` and `molt validate`: a recipe and its plugins loaded and cross-checked (`load`), and
-the training run. The `molt` command's dispatcher and the tool commands live in
-`molt_tools.commands` (the console script's target).
-"""
+the training run. The dispatcher and tool commands: `molt_tools.commands` (the console script)."""
 
 from __future__ import annotations
 
@@ -93,10 +91,9 @@ def validate(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    _, history = start(args.recipe, args.overrides, args.plugin, args.blocked,
-                       progress=not args.no_progress, resume=args.resume,
-                       checkpoint=args.checkpoint, argv=["molt", *args.argv],
-                       log_level=getattr(args, "log_level", "INFO"))
+    _, history = start(args.recipe, args.overrides, args.plugin, args.blocked, resume=args.resume,
+                       progress=not args.no_progress, checkpoint=args.checkpoint,
+                       argv=["molt", *args.argv], log_level=getattr(args, "log_level", "INFO"))
     steps = [h for h in history if "reward/mean" in h]      # not the eval rows
     if steps:
         first, last = steps[0]["reward/mean"], steps[-1]["reward/mean"]

@@ -65,8 +65,7 @@ class EngineConfig:
 
 @dataclass
 class LoraConfig:
-    """PEFT LoRA adapters on the policy: only they train (and hold AdamW state); engines get
-    merged weights."""
+    """PEFT LoRA adapters: only they train (and hold AdamW state); engines get merged weights."""
     rank: int = 0                        # 0: off (full fine-tuning)
     alpha: float = 16.0
     dropout: float = 0.0
@@ -317,9 +316,8 @@ class _Loader(yaml.SafeLoader):
     string, which nobody writing a learning rate means."""
 
 
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
-                              re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
-                              list("-+0123456789."))
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
+    r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"), list("-+0123456789."))
 
 
 def safe_load(text: str) -> Any:

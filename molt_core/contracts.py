@@ -46,8 +46,7 @@ class Engine(Protocol):
 
     async def generate_batch(self, prompts: list[list[int]], samplings: list[dict],
                              images: list[list[ImageInput]] | None = None,
-                             request_ids: list[str] | None = None
-                             ) -> list[Completion | Exception]:
+                             request_ids: list[str] | None = None) -> list[Completion | Exception]:
         """A `Completion` per prompt (ids, behavior log-probs, versions), a failed request's
         exception in its place. Sampling dicts hold exactly `engines.SAMPLING_KEYS` (+
         `stop_token_ids`); `images[i]`: prompt i's (VL); `request_ids`: for `abort`."""

@@ -48,8 +48,7 @@ def vision_token_ids(config: Any) -> list[int]:
 
 
 def decode_data_uri(url: str) -> Any:
-    """`data:image/png;base64,...` -> an RGB PIL image. Nothing else is accepted: the server
-    never fetches a URL."""
+    """`data:image/png;base64,...` -> an RGB PIL image (the server never fetches URLs)."""
     from PIL import Image, UnidentifiedImageError
 
     head, sep, data = url.partition(",")
@@ -84,7 +83,6 @@ def content_text(content: str | list[dict] | None) -> str:
                    else p.get("text", "") for p in content)
 
 
-
 def load_tokenizer(path: str, chat_template: str = "") -> Any:
     """The checkpoint's tokenizer; `chat_template` (model.chat_template, a .jinja file) replaces
     its template (e.g. recipes/templates/smollm2_tools.jinja gives SmolLM2 tools)."""
@@ -105,6 +103,7 @@ def require_chat_template(tokenizer: Any) -> None:
                          "chat template, which chat agents need to render messages: use an "
                          "instruct/chat checkpoint, or set `chat_template` in its "
                          "tokenizer_config.json (or a chat_template.jinja file)")
+
 
 class ImageEncoder:
     """Tokenizes text whose images appear as one `<|image_pad|>` each: every pad becomes the run

@@ -156,9 +156,8 @@ def build_plugins(plugins: list[str] = (), blocked: list[str] = ()) -> Plugins:
                   {"distribution": "molt-core", "version": __version__})
     eps = _entry_points()
     for name, ep in eps.items():
-        if name in blocked:
-            continue
-        _register(pm, _load(ep), name, info, _dist(ep))
+        if name not in blocked:
+            _register(pm, _load(ep), name, info, _dist(ep))
     selected = [Path(n).stem if _is_file(n) else n for n in plugins]
     for spec, name in zip(plugins, selected):
         if name in blocked:
@@ -265,8 +264,7 @@ def _returned(v: Any) -> str:
     if isinstance(v, tuple):
         return f"a {len(v)}-tuple ({', '.join(_returned(x) for x in v[:4])})"
     shape = getattr(v, "shape", None)
-    return f"{type(v).__name__} {list(shape)}" if shape is not None else \
-        f"{type(v).__name__} {repr(v)[:40]}"
+    return f"{type(v).__name__} {list(shape) if shape is not None else repr(v)[:40]}"
 
 
 def _guarded(fn: Callable, what: str, check: tuple[Callable, str] | None = None) -> Callable:

@@ -1,5 +1,4 @@
-"""THE training loop: generate -> filter -> advantages -> train -> sync weights -> evaluate, log,
-checkpoint."""
+"""THE training loop: generate, filter, advantages, train, sync weights, eval, log, checkpoint."""
 
 from __future__ import annotations
 
@@ -196,7 +195,6 @@ def rollout_metrics(trajs: list[Trajectory], adv: torch.Tensor, version: int = 0
     return {**version_lag_metrics(trajs, version), "reward/mean": rewards.mean().item(),
             "reward/max": rewards.max().item(), "reward/min": rewards.min().item(),
             "reward/std": rewards.std(unbiased=False).item(), "reward/zero_std_groups": flat,
-            "adv/abs_mean": adv.abs().mean().item(),
-            "response/len_mean": lens.mean().item(),
+            "adv/abs_mean": adv.abs().mean().item(), "response/len_mean": lens.mean().item(),
             "response/truncated": sum(t.truncated for t in trajs) / len(trajs),
             "rollout/trajectories": len(trajs)}

@@ -3,8 +3,7 @@
 Invariant 1 (token identity): trainable tokens enter a trajectory only through `add_completion`,
 carrying the engine's own ids, behavior log-probs and weight versions. Prompt, tool and
 environment tokens enter through `add_prompt` and are masked. `check()` re-verifies everything
-where data crosses into training.
-"""
+where data crosses into training."""
 
 from __future__ import annotations
 
@@ -146,8 +145,7 @@ class Trajectory:
             out.append(Trajectory(self.group_id, self.rollout_id, self.token_ids[a:b],
                                   self.loss_mask[a:b], self.logprobs[a:b], self.versions[a:b],
                                   [0], self.reward, self.turn_rewards, self.truncated, self.info,
-                                  None if self.routed_experts is None
-                                  else self.routed_experts[a:b],
+                                  None if self.routed_experts is None else self.routed_experts[a:b],
                                   [im.shifted(-a) for im in self.images if a <= im.start < b]))
         return out
 
@@ -184,8 +182,7 @@ class Trajectory:
 
 def collate(trajs: list[Trajectory], advantages: list[list[float]] | None, pad_id: int = 0
             ) -> dict[str, torch.Tensor]:
-    """Right-pad trajectories into [B, T] tensors; `advantages[i]` is per token of trajs[i]
-    (None: zeros, for the caller to fill)."""
+    """Right-pad trajectories into [B, T]; `advantages[i]`: per token of trajs[i] (None: zeros)."""
     lens = [len(t) for t in trajs]
     B, T = len(trajs), max(lens)
     for i, (n, adv) in enumerate(zip(lens, advantages or ())):

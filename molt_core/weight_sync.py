@@ -62,13 +62,9 @@ def push(workers: list, engines: list, version: int, bucket_bytes: int, timeout_
     return ray.get(refs[0])
 
 
-# --- sender side (trainer rank 0) --------------------------------------------------------------
-
-def send(named: Iterable[tuple[str, torch.Tensor]], engines: list, version: int,
-         bucket_bytes: int, timeout_s: float, group: WeightGroup | ShmChannel | None = None
-         ) -> dict[str, Any]:
-    """Send `named` full tensors to `engines` in buckets (by Ray, over `group`, or through a
-    `ShmChannel`), then finish."""
+def send(named: Iterable[tuple[str, torch.Tensor]], engines: list, version: int, bucket_bytes: int,
+         timeout_s: float, group: WeightGroup | ShmChannel | None = None) -> dict[str, Any]:
+    """Send full tensors `named` to `engines` in buckets (Ray, `group`, `ShmChannel`); finish."""
     t0 = time.perf_counter()
     total, buckets, bucket, size = 0, 0, [], 0
     sent: dict[str, tuple[int, int]] = {}       # name -> (bucket, checksum)
@@ -192,8 +188,6 @@ def _dead(refs: list, engines: list, wait_s: float = 5.0) -> str:
     return ""
 
 
-# --- both sides ----------------------------------------------------------------------------------
-
 class WeightGroup:
     """One member of the weight-sync group (rank 0 sends, the others receive), rendezvous at the
     TCPStore on host:port (rank 0 passes the store it serves)."""
@@ -253,8 +247,7 @@ class ShmChannel:
         self.loading: list[list] = [[], []]       # engines' receive_shm calls per slot
         self.linked: list[str] = []               # files no engine has mapped yet
 
-    def fill(self, slot: int, named: list[tuple[str, torch.Tensor]]
-             ) -> tuple[str, list[Meta], int]:
+    def fill(self, slot: int, named: list[tuple[str, torch.Tensor]]) -> tuple[str, list[Meta], int]:
         """Pack `named` into `slot`; returns the file, the metadata and the file's size."""
         metas = _metas(named)
         need = _nbytes(metas)
@@ -291,8 +284,7 @@ def _metas(named: list[tuple[str, torch.Tensor]]) -> list[Meta]:
 
 def pack(named: list[tuple[str, torch.Tensor]], flat: torch.Tensor | None = None,
          metas: list[Meta] | None = None) -> tuple[list[Meta], torch.Tensor]:
-    """One uint8 buffer (`flat`, or a new one) holding every tensor at a 64-byte aligned offset,
-    and its metadata."""
+    """(metadata, one uint8 buffer: `flat` or new), each tensor at a 64-byte aligned offset."""
     metas = metas or _metas(named)
     if flat is None:
         flat = torch.empty(_nbytes(metas), dtype=torch.uint8,

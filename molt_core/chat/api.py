@@ -2,8 +2,7 @@
 -> template messages, and replies -> response objects.
 
 Every malformed body is a `RequestError` (400) naming the field (`messages[0].content[1]`), never
-a server traceback; so is sampling that differs from the run's (`check_sampling`).
-"""
+a server traceback; so is sampling that differs from the run's (`check_sampling`)."""
 
 from __future__ import annotations
 
@@ -243,9 +242,8 @@ def responses_messages(body: dict) -> tuple[list[dict], list[dict] | None]:
             out.append({"role": role, "content": text_of(it.get("content"), f"{w}.content")})
         elif kind == "function_call":
             call = {"id": _want(it.get("call_id"), str, f"{w}.call_id"), "type": "function",
-                    "function": {"name": _want(it.get("name"), str, f"{w}.name"),
-                                 "arguments": _want(it.get("arguments", "{}"), str,
-                                                    f"{w}.arguments")}}
+                    "function": {"name": _want(it.get("name"), str, f"{w}.name"), "arguments":
+                                 _want(it.get("arguments", "{}"), str, f"{w}.arguments")}}
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
@@ -271,8 +269,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[tuple[str, str, Any]], bool]:
 
     `raw_arguments_json` is the arguments exactly as sampled, so that an SDK echoing the call back
     lets the template re-render the same text. Blocks that are not valid JSON with a `name` stay
-    in the content and make `malformed` True (as does an unclosed `<tool_call>`).
-    """
+    in the content and make `malformed` True (as does an unclosed `<tool_call>`)."""
     calls: list[tuple[str, str, Any]] = []
     first = None
     for m in _TOOL_CALL.finditer(text):
@@ -343,8 +340,7 @@ def anthropic_response(r: Reply, content: str, calls: list, malformed: bool, mod
             else "stop_sequence" if r.stop_sequence else "end_turn")
     return {"id": "msg_" + secrets.token_hex(8), "type": "message", "role": "assistant",
             "model": model, "content": blocks, "stop_reason": stop,
-            "molt": {"malformed_tool_call": malformed},
-            "stop_sequence": r.stop_sequence,
+            "molt": {"malformed_tool_call": malformed}, "stop_sequence": r.stop_sequence,
             "usage": {"input_tokens": r.prompt_tokens, "output_tokens": r.completion_tokens}}
 
 
@@ -352,10 +348,9 @@ def responses_response(r: Reply, content: str, calls: list, malformed: bool, bod
                        raw_args: dict[str, str], logprobs: list[dict] | None) -> dict:
     output: list[dict] = []
     if content or not calls:
+        p = {"type": "output_text", "text": content, "annotations": [], "logprobs": logprobs or []}
         output.append({"type": "message", "id": "msg_" + secrets.token_hex(8), "status": "completed",
-                       "role": "assistant", "content": [{
-                           "type": "output_text", "text": content, "annotations": [],
-                           "logprobs": logprobs or []}]})
+                       "role": "assistant", "content": [p]})
     for name, raw, _ in calls:
         cid = "call_" + secrets.token_hex(8)
         raw_args[cid] = raw

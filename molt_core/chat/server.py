@@ -2,10 +2,9 @@
 
 Each rollout gets a session (`/s/{session}/...`, its own bearer token); every request is rendered
 with the model's chat template and generated in token space by the rollout's `generate`. A request
-that extends the previous one appends only its new text, tokenized and masked, then the sampled ids
-as sampled (`add_completion`), never re-tokenized; otherwise (a template that re-renders history)
-a new segment starts from the whole rendering. What it serves, the rules an agent sees, how it is
-served: docs/agents.md and docs/plugins.md ("molt_chat_agents")."""
+extending the previous one appends only its new text, tokenized and masked, then the sampled ids as
+sampled (`add_completion`), never re-tokenized; otherwise (a template that re-renders history) a new
+segment starts from the full rendering. See docs/agents.md, docs/plugins.md ("molt_chat_agents")."""
 
 from __future__ import annotations
 
@@ -136,9 +135,8 @@ class ChatSession:
         return _Prep(rendered, messages, tools, "segment", *self._encode(rendered, messages), role)
 
     def overflowed(self) -> None:
-        self.trajectory.truncated = True
-        self.trajectory.info["context_overflow"] = self.trajectory.info.get("context_overflow",
-                                                                            0) + 1
+        t = self.trajectory
+        t.truncated, t.info["context_overflow"] = True, t.info.get("context_overflow", 0) + 1
 
     def _rollback(self) -> None:
         """Drop the last reply's tokens (the prompt before it stays)."""
@@ -157,8 +155,7 @@ class ChatSession:
         self._cache.pop(last.key, None)
 
     def _cut(self, c: Completion, stop: list[str]) -> tuple[Completion, str | None]:
-        """The completion up to (excluding) the first stop string in its text, if any (a token
-        straddling the stop string's start goes too)."""
+        """The completion before the first stop string in its text (a straddling token goes too)."""
         text = self._decode(c.token_ids)
         hits = sorted((text.find(s), i, s) for i, s in enumerate(stop) if s in text)
         if not hits:
@@ -244,9 +241,8 @@ def _decode(api: str, raw: bytes) -> tuple[dict, str]:
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
     api_.check_depth(body)
-    key = json.dumps([api, {k: v for k, v in body.items()
-                            if k not in ("stream", "stream_options")}], sort_keys=True,
-                     ensure_ascii=False)
+    rest = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    key = json.dumps([api, rest], sort_keys=True, ensure_ascii=False)
     try:
         key.encode()
     except UnicodeEncodeError as e:
@@ -431,14 +427,12 @@ class ChatServer:
 
         def error(api: str, e: RequestError) -> JSONResponse:
             kind = {400: "invalid_request_error", 401: "authentication_error",
-                    404: "not_found_error", 413: "invalid_request_error"}.get(e.status,
-                                                                             "api_error")
+                    404: "not_found_error", 413: "invalid_request_error"}.get(e.status, "api_error")
             if api == "anthropic":
                 return JSONResponse({"type": "error", "error": {"type": kind, "message": str(e)}},
                                     status_code=e.status)
-            return JSONResponse({"error": {"message": str(e), "type": kind,
-                                           "code": e.code or e.status, "param": None}},
-                                status_code=e.status)
+            err = {"message": str(e), "type": kind, "code": e.code or e.status, "param": None}
+            return JSONResponse({"error": err}, status_code=e.status)
 
         def endpoint(api: str) -> Callable:
             async def post(session: str, request: Request) -> Response:
@@ -471,9 +465,8 @@ class ChatServer:
             except RequestError as e:
                 return error("openai", e)
             card = {"id": model, "object": "model", "created": 0, "owned_by": "molt"}
-            if "model" in request.path_params:
-                return JSONResponse(card)
-            return JSONResponse({"object": "list", "data": [card]})
+            return JSONResponse(card if "model" in request.path_params
+                                else {"object": "list", "data": [card]})
 
         return app
 

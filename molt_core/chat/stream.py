@@ -2,8 +2,7 @@
 
 The reply is generated whole, exactly as without streaming (same tokens, same trajectory), then
 sent as the server-sent events the stock SDKs parse, built from the non-streaming response dict
-so both paths stay identical.
-"""
+so both paths stay identical."""
 
 from __future__ import annotations
 
@@ -31,9 +30,8 @@ def _openai(resp: dict) -> Iterator[str]:
             "model": resp["model"]}
 
     def chunk(delta: dict, finish: str | None = None, logprobs: Any = None, **extra: Any) -> str:
-        return "data: " + json.dumps({**head, "choices": [
-            {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
-            **extra}) + "\n\n"
+        c = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        return "data: " + json.dumps({**head, "choices": [c], **extra}) + "\n\n"
 
     yield chunk({"role": "assistant", "content": ""})
     for piece in _pieces(msg.get("content") or ""):

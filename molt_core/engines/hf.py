@@ -1,7 +1,6 @@
 """Embedded rollout engine: an HF causal LM and Molt's own batched KV-cache decode loop (why,
-re-prefill after a weight update, VL and MoE: docs/scaling.md, "The hf engine"). A background
-task decodes waves of requests with identical sampling on the event-loop thread, so `pause` and
-`update_weights` land between two decode steps."""
+re-prefill after a weight update, VL, MoE: docs/scaling.md, "The hf engine"). A background task
+decodes same-sampling waves on the loop thread, so `pause`/`update_weights` land between steps."""
 
 from __future__ import annotations
 
@@ -37,12 +36,10 @@ class _Request:
     routed: list[list[list[int]] | None] = field(default_factory=list)  # MoE: per token
     prompt_routed: list[list[list[int]]] | None = None                   # MoE: per prompt token
     finish_reason: str | None = None
-    rng: torch.Generator | None = None       # a request's own seed: it never shares a wave
-                                             # with the engine-stream requests, nor their draws
+    rng: torch.Generator | None = None   # own seed: shares no wave or draw with the engine stream
 
     def key(self) -> tuple:
-        return tuple(sorted(self.sampling.items())) + (tuple(sorted(self.stop_ids)),
-                                                       self.rng is None)
+        return (*sorted(self.sampling.items()), tuple(sorted(self.stop_ids)), self.rng is None)
 
 
 class HFEngine:
@@ -76,8 +73,7 @@ class HFEngine:
         self._moe_sentinel = [[-1] * g.top_k for g in gates] if gates else None
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         # All names a sender may use (tied aliases included) -> the parameter they update.
-        self._params: dict[str, torch.nn.Parameter] = dict(
-            self.model.named_parameters(remove_duplicate=False))
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
         self._canonical = {id(p): n for n, p in self.model.named_parameters()}
         self._version = 0
         self._weights_epoch = 0                 # bumps on every finished update
@@ -98,8 +94,7 @@ class HFEngine:
 
     async def generate_batch(self, prompts: list[list[int]], samplings: list[dict],
                              images: list[list[ImageInput]] | None = None,
-                             request_ids: list[str] | None = None
-                             ) -> list[Completion | Exception]:
+                             request_ids: list[str] | None = None) -> list[Completion | Exception]:
         images = images or [None] * len(prompts)
         futures = []
         for p, s, i in zip(prompts, samplings, images):
@@ -341,9 +336,8 @@ class HFEngine:
             if all(r.finish_reason is not None for r in rows):
                 return
             # Finished rows keep decoding a pad token (ignored) so the batch shape stays fixed.
-            next_ids = torch.tensor(
-                [[self.pad_id if r.finish_reason else r.tokens[-1]] for r in rows],
-                device=self.device)
+            next_ids = torch.tensor([[self.pad_id if r.finish_reason else r.tokens[-1]]
+                                     for r in rows], device=self.device)
             mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
             pos = pos + 1
             await asyncio.sleep(0)

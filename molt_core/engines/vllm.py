@@ -1,10 +1,9 @@
 """Rollout engine `vllm`: vLLM's v1 async engine (`AsyncLLM`) as a `molt_core.contracts.Engine`.
 
-The `AsyncLLM` client lives in this object's process (a Ray actor); vLLM spawns its engine-core
-and worker processes from there. Every start and control call has a timeout; sampling knobs and
-EOS are explicit, so both engines stop on the same tokens. How log-probs, weight versions, weight
-updates (`engines/vllm_worker.py`) and MoE routing replay work: docs/scaling.md, "The vllm
-engine"."""
+The `AsyncLLM` client lives in this object's process (a Ray actor), which spawns vLLM's
+engine-core and worker processes. Every start and control call has a timeout; sampling knobs and
+EOS are explicit, so both engines stop on the same tokens. Log-probs, weight versions, weight
+updates (`engines/vllm_worker.py`), MoE routing replay: docs/scaling.md, "The vllm engine"."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ def _set_env(kv_cache_gib: int, start_timeout_s: float, num_threads: int) -> Non
     """Environment of the vLLM processes this one spawns (read at their start)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     os.environ.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", str(int(start_timeout_s)))
-    # CPU: no core pinning (engines share the box with trainer ranks); vLLM's own default is
-    # "auto" (one NUMA node per rank, pinned).
+    # CPU: no pinning (engines share the box with trainer ranks; vLLM's "auto" pins per NUMA node)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ["OMP_NUM_THREADS"] = str(num_threads)   # Ray presets it (1 at num_cpus=0)
     # vllm-cpu re-packs each GEMM weight into a new buffer per update: glibc's heap reuses
@@ -65,10 +63,9 @@ class VLLMEngine:
     """vLLM AsyncLLM as an `Engine`; see the module docstring."""
 
     def __init__(self, model_path: str, *, dtype: str = "float32", max_batch_size: int = 256,
-                 seed: int = 0, num_threads: int = 1, device: str = "auto",
+                 seed: int = 0, num_threads: int = 1, device: str = "auto", kv_cache_gib: int = 1,
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.85,
-                 tensor_parallel_size: int = 1, kv_cache_gib: int = 1,
-                 enforce_eager: bool | None = None,
+                 tensor_parallel_size: int = 1, enforce_eager: bool | None = None,
                  start_timeout_s: float = 300.0, update_timeout_s: float = 300.0,
                  engine_kwargs: dict[str, Any] | None = None) -> None:
         try:
@@ -127,10 +124,9 @@ class VLLMEngine:
         try:
             self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args))
         except Exception as e:
-            raise RuntimeError(
-                f"vLLM engine for {self.model_path} failed to start after "
-                f"{time.perf_counter() - t0:.0f}s (start timeout {timeout_s:.0f}s, "
-                f"VLLM_ENGINE_READY_TIMEOUT_S): {type(e).__name__}: {e}") from e
+            raise RuntimeError(f"vLLM engine for {self.model_path} failed to start after "
+                               f"{time.perf_counter() - t0:.0f}s (start timeout {timeout_s:.0f}s, "
+                               f"VLLM_ENGINE_READY_TIMEOUT_S): {type(e).__name__}: {e}") from e
         self._stats["start_s"] = time.perf_counter() - t0
 
     def shutdown(self) -> None:
@@ -157,13 +153,11 @@ class VLLMEngine:
         sampling, stop = check_sampling(sampling)
         stop_ids = sorted(stop if stop is not None else self.default_stop_ids)
         return SamplingParams(
-            n=1, temperature=float(sampling["temperature"]),
+            n=1, temperature=float(sampling["temperature"]), min_p=float(sampling["min_p"]),
             top_k=int(sampling["top_k"]) if sampling["top_k"] > 0 else 0,
-            top_p=float(sampling["top_p"]), min_p=float(sampling["min_p"]),
-            repetition_penalty=float(sampling["repetition_penalty"]),
-            presence_penalty=0.0, frequency_penalty=0.0,
-            max_tokens=int(sampling["max_new_tokens"]), min_tokens=0,
-            stop_token_ids=stop_ids, ignore_eos=True, logprobs=0,
+            repetition_penalty=float(sampling["repetition_penalty"]), min_tokens=0, logprobs=0,
+            presence_penalty=0.0, frequency_penalty=0.0, top_p=float(sampling["top_p"]),
+            max_tokens=int(sampling["max_new_tokens"]), stop_token_ids=stop_ids, ignore_eos=True,
             seed=self.seed * 1_000_003 + next(self._request_ids) if seed is None else int(seed),
             detokenize=False, skip_special_tokens=False)
 
@@ -179,9 +173,8 @@ class VLLMEngine:
         request_id = f"molt-{uuid.uuid4().hex[:12]}"
         final, n = None, 0
         try:
-            async for out in self._llm.generate(
-                    TokensPrompt(prompt_token_ids=[int(t) for t in prompt_ids]), params,
-                    request_id):
+            prompt = TokensPrompt(prompt_token_ids=[int(t) for t in prompt_ids])
+            async for out in self._llm.generate(prompt, params, request_id):
                 final = out
                 if out.outputs:     # counted as they come, so an aborted request's show too
                     self._stats["tokens_generated"] += len(out.outputs[0].token_ids) - n
@@ -317,9 +310,8 @@ class VLLMEngine:
         return [_sampled_logprob(e, t) for e, t in zip(final.prompt_logprobs[1:], token_ids[1:])]
 
     async def _rpc(self, method: str, *args: Any) -> list:
-        return await self._call(self._llm.collective_rpc(method, timeout=self.update_timeout_s,
-                                                         args=args),
-                                method, self.update_timeout_s + 5)
+        rpc = self._llm.collective_rpc(method, timeout=self.update_timeout_s, args=args)
+        return await self._call(rpc, method, self.update_timeout_s + 5)
 
     async def get_version(self) -> int:
         return self._version
@@ -337,9 +329,8 @@ class VLLMEngine:
 
 def _split_routing(rows: Any, n_prompt: int, n_tokens: int, layers: list[int]
                    ) -> tuple[list[list[list[int]]], list[list[list[int]]]]:
-    """vLLM's routed experts [n_prompt + n_tokens - 1, all decoder layers, k] (every fed token)
-    -> (per prompt token, per sampled token) [MoE layer][k] lists; the never-fed last token gets
-    the -1 row, as in HFEngine."""
+    """vLLM's routed experts [n_prompt + n_tokens - 1, all decoder layers, k] (each fed token) ->
+    (per prompt token, per sampled token) [MoE layer][k] lists; the unfed last token: -1 rows."""
     if rows is None:
         raise RuntimeError("vLLM returned no routed experts although the engine was started with "
                            "enable_return_routed_experts")
@@ -360,9 +351,8 @@ def _sampled_logprob(entry: Any, token: int) -> float:
 
 
 def _expand_versions(spans: Any, n: int, current: int) -> list[int]:
-    """vLLM's [start, end) weight-version spans -> one int per output token.
-
-    The label is vLLM's "default" until the first update: that is version 0."""
+    """vLLM's [start, end) weight-version spans -> one int per output token; the label is vLLM's
+    "default" until the first update: that is version 0."""
     out = [current] * n
     for s in spans or ():
         v = int(s.version) if str(s.version).lstrip("-").isdigit() else 0

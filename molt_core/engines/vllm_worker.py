@@ -124,11 +124,10 @@ class MoltWorkerExtension:
         return rest
 
     def molt_load_bucket(self, path: str, size: int, metas: list[Meta], begin: bool) -> dict:
-        """Load one bucket (the first of an update: `begin`) from a `weight_sync.ShmChannel`
-        slot holding the tensors at the given byte offsets (HF names): mapped once (its name
-        goes after the first push), the four latest slots stay mapped. As a slot is refilled
-        meanwhile, the general path copies the bucket out (the layerwise reload may hold
-        tensors until a layer is complete); the direct path copies from it at once."""
+        """Load one bucket (`begin`: an update's first) from a `weight_sync.ShmChannel` slot file
+        (`metas`: HF names, byte offsets), mapped once (its name goes after the first push; the four
+        latest stay mapped). The trainer refills it meanwhile, so the general path copies the bucket
+        out (a layerwise reload may keep tensors until a layer is done); the direct one need not."""
         t0 = time.perf_counter()
         maps = self.__dict__.setdefault("_molt_shm", {})     # least recently used first
         flat = maps.pop(path, None)

@@ -139,13 +139,12 @@ class Policy:
             raise
 
     def train(self, batch: dict[str, torch.Tensor], spec: TrainStep) -> dict[str, float]:
-        """`trainer.epochs` x `trainer.mini_batches` optimizer steps of `spec` on a `collate`
-        batch [B, T] (each epoch: the rows in `mini_batches` consecutive parts, each loss
-        normalised by its own global counts); returns plain-float metrics, token-weighted over all
-        steps (`loss`, `grad_norm`: the mean step's). With more than one step pi_prox is computed
-        first, on the weights before the first step. A step with a non-finite loss or grad norm
-        is skipped (`faults/nonfinite_steps`, total); `trainer.max_nonfinite_steps` of them in a
-        row raise."""
+        """`trainer.epochs` x `trainer.mini_batches` optimizer steps of `spec` on a `collate` batch
+        [B, T] (each epoch: the rows in `mini_batches` consecutive parts, each loss normalised by
+        its own global counts); returns plain-float metrics, token-weighted over all steps (`loss`,
+        `grad_norm`: the mean step's). More than one step: pi_prox comes first, on the weights
+        before them. A non-finite loss or grad norm skips the step (`faults/nonfinite_steps`,
+        total); `trainer.max_nonfinite_steps` of them in a row raise."""
         B = batch["input_ids"].shape[0]
         k = min(self.cfg.mini_batches, B)
         bounds = _cuts(batch, [j * (B // k) + min(j, B % k) for j in range(1, k)])
@@ -196,8 +195,7 @@ class Policy:
     def trained_logprobs(self) -> torch.Tensor:
         """[B, T] the trainer log-probs the last `train` used (pre-update), 0 where not trainable
         (several steps: pi_prox, computed before them; one: they came back with it)."""
-        return (self._prox if self._prox is not None
-                else self._unsplit(*self._trained))
+        return self._prox if self._prox is not None else self._unsplit(*self._trained)
 
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, T] the critic's values at trainable positions (pre-update), 0 elsewhere."""

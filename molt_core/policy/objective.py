@@ -22,10 +22,9 @@ LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 @dataclass
 class TrainStep:
-    """What `Policy.train` optimises, as `objective` spells out: `loss_fn` (a `molt_losses`
-    entry) with its `correction` and `terms` (`algorithm.terms` as a dict). `version`: the
-    trainer's weight version; the engine-vs-trainer gap (`mismatch/max_abs`, invariant 3) is
-    measured on tokens it sampled (all when None)."""
+    """What `Policy.train` optimises (see `objective`): `loss_fn` (a `molt_losses` entry), its
+    `correction`, `terms` (`algorithm.terms`, a dict). `version`: the trainer's; the
+    engine-vs-trainer gap (`mismatch/max_abs`) is measured on tokens it sampled (all when None)."""
     loss_fn: LossFn
     loss_args: dict = field(default_factory=dict)
     loss_agg: str = "token-mean"

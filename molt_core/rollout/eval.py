@@ -27,8 +27,7 @@ def _merge(base: dict, over: dict) -> dict:
 
 
 def eval_due(cfg: Config, step: int) -> bool:
-    """Before step `step` (0 included) every `eval.every` steps; `step == trainer.steps`: the
-    evaluation after training."""
+    """Before step `step` (0 too) every `eval.every` steps, and at `step == trainer.steps` (end)."""
     every = cfg.eval.every
     return bool(every) and (step % every == 0 or step == cfg.trainer.steps)
 
@@ -48,9 +47,8 @@ def eval_agent(cfg: Config, plugins: Any, tokenizer: Any) -> Any:
     return agent
 
 
-def evaluate(cfg: Config, plugins: Any, engines: list[Any], tokenizer: Any,
-             vocab_size: int, progress: Callable[[str], None] = lambda line: None
-             ) -> dict[str, float]:
+def evaluate(cfg: Config, plugins: Any, engines: list[Any], tokenizer: Any, vocab_size: int,
+             progress: Callable[[str], None] = lambda line: None) -> dict[str, float]:
     """The held-out prompts on the engines' weights: `eval/*`; `progress`: "eval: 3/64 rollouts"."""
     t0 = time.perf_counter()
     e, agent = cfg.eval, eval_agent(cfg, plugins, tokenizer)

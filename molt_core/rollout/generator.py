@@ -5,6 +5,7 @@ streaming pool (`start_pool(k)`, `take(n)`), which keeps k running or waiting (a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import itertools
 import math
@@ -32,8 +33,7 @@ _CHAINED = contextvars.ContextVar("molt_chained", default=False)   # in a determ
 
 
 class NonFiniteReward(ValueError):
-    """A rollout's reward is NaN, inf, not a number or absurd (|r| > MAX_ABS_REWARD): the rollout
-    is dropped, counted."""
+    """A rollout's reward is NaN, inf, not a number or |r| > MAX_ABS_REWARD: dropped, counted."""
 
 
 class AbsurdReward(NonFiniteReward):
@@ -45,9 +45,8 @@ class FailureRateError(RuntimeError):
 
 
 class Generator:
-    def __init__(self, agent: Any, engines: list[Any], cfg: Config, tokenizer: Any,
-                 vocab_size: int, task_of: Callable[[int], int] | None = None,
-                 seeded: bool = False) -> None:
+    def __init__(self, agent: Any, engines: list[Any], cfg: Config, tokenizer: Any, vocab_size: int,
+                 task_of: Callable[[int], int] | None = None, seeded: bool = False) -> None:
         """`seeded`: each engine call carries a seed of its own, from its task, rollout and call
         index (eval: it never draws from, nor shares a wave with, the training stream)."""
         self.agent, self.cfg, self.tokenizer, self.seeded = agent, cfg, tokenizer, seeded
@@ -278,8 +277,7 @@ class Generator:
     async def run_group(self, group_id: int) -> list[Trajectory] | None:
         n = self.cfg.rollout.group_size
         self.counters["rollout/started_groups"] += 1
-        # The rollouts start together, so one deadline for the group is each one's
-        # agent.timeout_s (and costs one timer, not a task per rollout).
+        # the rollouts start together: one group deadline is each one's agent.timeout_s (one timer)
         tasks = [asyncio.ensure_future(self.run_one(group_id, i)) for i in range(n)]
         try:
             _, late = await asyncio.wait(tasks, timeout=self.cfg.agent.timeout_s)
@@ -304,9 +302,8 @@ class Generator:
 
     async def run_one(self, group_id: int, rollout_id: int) -> Trajectory | None:
         task = self.task_of(group_id)
-        ctx = RolloutContext(group_id, rollout_id, task, dict(self.sampling),
-                             self._seeded(task, rollout_id) if self.seeded else self._generate,
-                             self.tokenizer)
+        gen = self._seeded(task, rollout_id) if self.seeded else self._generate
+        ctx = RolloutContext(group_id, rollout_id, task, dict(self.sampling), gen, self.tokenizer)
         self.counters["rollout/attempted"] += 1
         self._live += 1
         try:
@@ -385,10 +382,8 @@ class Generator:
         if hasattr(self.agent, "aclose"):
             closing.append(self.agent.aclose())
         for coro in closing:
-            try:
+            with contextlib.suppress(Exception):  # closing anyway
                 self.submit(coro).result(timeout=5)
-            except Exception:  # closing anyway
-                pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
 

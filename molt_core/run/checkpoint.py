@@ -66,7 +66,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# -- driver ------------------------------------------------------------------------------------
 def _step_dirs(run_dir: Path) -> list[Path]:
     root = run_dir / "checkpoints"
     dirs = [p for p in root.glob("step_*") if p.name[5:].isdigit()] if root.is_dir() else []
@@ -101,11 +100,10 @@ def check_resume_config(saved: dict, cfg: Config) -> None:
     changed = sorted(k for k in old.keys() | new.keys()
                      if old.get(k) != new.get(k) and not k.startswith(SAFE_TO_CHANGE))
     if changed:
-        raise ConfigError(
-            "--resume: the config differs from the run's in " + ", ".join(
-                f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in changed)
-            + f". A resumed run may change only {', '.join(SAFE_TO_CHANGE)}; start a new run "
-            "(optionally from an export of this one) to change the rest")
+        raise ConfigError("--resume: the config differs from the run's in " + ", ".join(
+            f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in changed) + ". A resumed run may "
+            f"change only {', '.join(SAFE_TO_CHANGE)}; start a new run (optionally from an export "
+            "of this one) to change the rest")
 
 
 class Checkpointer:
@@ -207,10 +205,9 @@ class Checkpointer:
                         "metrics_bytes": metrics.stat().st_size if metrics.exists() else 0,
                         "nonfinite_steps": getattr(self.policy, "nonfinite_steps", 0)}, buf)
             (tmp / "driver.pt").write_bytes(buf.getbuffer())
-            (tmp / "meta.json").write_text(json.dumps(
-                {"step": done, "version": self.version, "model_path": self.cfg.model.path,
-                 "dtype": self.cfg.model.dtype, "config": to_dict(self.cfg)}, indent=1,
-                default=str))
+            meta = {"step": done, "version": self.version, "model_path": self.cfg.model.path,
+                    "dtype": self.cfg.model.dtype, "config": to_dict(self.cfg)}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
             if final.exists():                 # the same step saved again (a rerun of it)
                 shutil.rmtree(final)
             os.rename(tmp, final)
@@ -233,7 +230,6 @@ class Checkpointer:
         return final
 
 
-# -- export ------------------------------------------------------------------------------------
 def _policy_tensors(policy_dir: Path) -> dict[str, torch.Tensor]:
     """The full (unsharded) policy weights of a DCP checkpoint, by HF name, read in one process."""
     reader = dcp.FileSystemReader(str(policy_dir))
@@ -263,10 +259,9 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
 
 def export_hf(state_dict: dict[str, torch.Tensor], model_dir: str | Path, out: str | Path,
               dtype: str | None = None) -> Path:
-    """Write `state_dict` ({HF name: tensor}, the trained weights of the model in `model_dir`) as
-    a plain HF directory at `out`: safetensors + config from the model class, plus every
-    non-weight file of `model_dir` (tokenizer, chat template, generation and processor configs).
-    Floating tensors are cast to `dtype` (default: as stored); written atomically."""
+    """Write `state_dict` ({HF name: tensor}: `model_dir`'s model, trained) as a plain HF directory
+    at `out`: safetensors + config from the model class, plus every non-weight file of `model_dir`
+    (tokenizer, configs). Floating tensors are cast to `dtype` (default: as stored); atomically."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from molt_core.multimodal import is_vl

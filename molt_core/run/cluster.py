@@ -33,15 +33,13 @@ _reapers: list[subprocess.Popen] = []       # one per local Ray this process sta
 _starts = [0]                               # `start`s in this process (engine names)
 # Once the driver is gone (its end of the pipe closed: exit, or kill -9), whatever of its Ray
 # session still runs is killed (agents outlived a killed driver) and the session folder removed.
-_REAP = """import os, shutil, sys
+_REAP = """import contextlib, os, shutil, sys
 sys.stdin.read()
 session = sys.argv[1]
 for pid in {int(p) for p in os.listdir("/proc") if p.isdigit()} - {os.getpid()}:
-    try:
+    with contextlib.suppress(OSError):
         if session.encode() in open(f"/proc/{pid}/cmdline", "rb").read():
             os.kill(pid, 9)
-    except OSError:
-        pass
 shutil.rmtree(session, ignore_errors=True)
 latest = os.path.join(os.path.dirname(session), "session_latest")
 if not os.path.exists(latest) and os.path.islink(latest):
@@ -81,9 +79,8 @@ def embedded(cfg: Config, trainer: bool, cuda: bool) -> bool:
     t, e = cfg.trainer, cfg.engine
     ranks_ok = not trainer or (t.in_driver and t.num_ranks == 1 and t.backend == "fsdp2"
                                and t.gpus_per_rank <= 0 and not (t.cpus_per_rank or t.resources))
-    return (ranks_ok and not cfg.ray.address and not cuda and e.name == "hf"
-            and e.num_engines == 1 and e.gpus_per_engine <= 0 and not e.cpus_per_engine
-            and not e.resources)
+    return (ranks_ok and not cfg.ray.address and not cuda and e.name == "hf" and e.num_engines == 1
+            and e.gpus_per_engine <= 0 and not (e.cpus_per_engine or e.resources))
 
 
 def init_ray(cfg: Config) -> bool:
@@ -166,15 +163,13 @@ def engine_kwargs(cfg: Config, index: int) -> dict[str, Any]:
 
 
 def engine_name(index: int) -> str:
-    """Ray name of engine `index` of this process's latest `start` (unique: a killed actor's
-    name may linger while the next run starts)."""
+    """Ray name of engine `index` of the latest `start` (unique: a killed actor's name lingers)."""
     return f"molt-engine-{index}-{os.getpid()}-{_starts[0]}"
 
 
 def spawn_engine(cfg: Config, plugins: Any, index: int, suffix: str = "",
                  local: bool = False) -> Any:
-    """Engine actor `index` (`suffix` names a replacement of a dead one apart; `local`: a
-    `LocalActor`, embedded)."""
+    """Engine actor `index`; `suffix` names a dead one's replacement, `local`: a `LocalActor`."""
     cls = plugins.get("engine", cfg.engine.name)
     if local:
         threads = num_threads(cfg, cfg.ray.num_cpus or os.cpu_count() or 1)[1]
@@ -182,9 +177,8 @@ def spawn_engine(cfg: Config, plugins: Any, index: int, suffix: str = "",
                                  **{"num_threads": threads, **engine_kwargs(cfg, index)})
     nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
     threads = num_threads(cfg, int(min(n.get("CPU", 1) for n in nodes)))[1]
-    return ray.remote(cls).options(
-        **actor_options(cfg, any(n.get("GPU") for n in nodes))[1],
-        name=engine_name(index) + suffix).remote(
+    opts = actor_options(cfg, any(n.get("GPU") for n in nodes))[1]
+    return ray.remote(cls).options(**opts, name=engine_name(index) + suffix).remote(
         cfg.model.path, **{"num_threads": threads, **engine_kwargs(cfg, index)})
 
 
@@ -202,9 +196,8 @@ def rendezvous(host: str, timeout_s: float) -> Any:
 
 
 def rank_placement(n: int, options: dict, timeout_s: float) -> tuple[list[dict], str, Any]:
-    """Ray options of each of `n` trainer ranks, the host of their rendezvous store (the
-    driver's; loopback when every rank shares its node) and the placement group to remove at
-    shutdown.
+    """Ray options of each of `n` trainer ranks, the host of their rendezvous store (the driver's;
+    loopback when every rank shares its node) and the placement group to remove at shutdown.
 
     One node, or ranks reserving nothing: plain actors on the driver's node. Several nodes: a
     PACK placement group of one bundle per rank, so their nodes are known before they start."""
@@ -293,8 +286,7 @@ def start(cfg: Config, plugins: Any, trainer: bool = True) -> Iterator[tuple[Any
         policy = backend(cfg.model.path, cfg.trainer, dtype=cfg.model.dtype, seed=cfg.seed,
                          num_threads=rank_threads, actor_options=rank_opts) if trainer else None
         actors.get([e.get_version.remote() for e in engines], timeout=cfg.engine.timeout_s)
-        # Long-lived driver objects (torch, transformers, Ray) leave the collector's view: a full
-        # collection over them stalled the rollout loop for up to ~0.7 s.
+        # freeze torch/transformers/Ray objects: a full collection over them stalled rollouts ~0.7 s
         gc.freeze()
         log.info("cluster_ready", mode="embedded" if local else "ray", engines=len(engines),
                  trainer_ranks=cfg.trainer.num_ranks,

@@ -44,8 +44,7 @@ def configure_logging(level: str = "INFO", fmt: str = "console") -> None:
                     else structlog.dev.ConsoleRenderer(colors=False)],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level)),
         # a logger per call on whatever `sys.stderr` is then (tests and tools swap it)
-        logger_factory=lambda *_: structlog.PrintLogger(sys.stderr),
-    )
+        logger_factory=lambda *_: structlog.PrintLogger(sys.stderr))
 
 
 def _git_sha() -> str:
@@ -73,9 +72,8 @@ def make_run_dir(out_dir: str, name: str, config: dict, plugins: dict, seed: int
 
 
 class MetricsSink:
-    """Appends one JSON line per step (with wall-clock `time` and `elapsed_s`), fans it out to
-    the metric sink plugins (`log.sinks`) and drives a progress bar, or logs one line per step
-    when the bar is off."""
+    """Appends one JSON line per step (with wall-clock `time` and `elapsed_s`), fans it out to the
+    metric sinks (`log.sinks`) and drives a progress bar (bar off: one log line per step)."""
 
     def __init__(self, run_dir: Path | None, total_steps: int, show: bool = True,
                  sinks: list[Any] = ()) -> None:
@@ -89,9 +87,8 @@ class MetricsSink:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         now = time.time()
-        row = {"step": step, "time": now, **namespaced(
-            {"elapsed_s": now - self.t0, **{k: v.item() if hasattr(v, "item") else v
-                                              for k, v in metrics.items()}})}
+        plain = {k: v.item() if hasattr(v, "item") else v for k, v in metrics.items()}
+        row = {"step": step, "time": now, **namespaced({"elapsed_s": now - self.t0, **plain})}
         if self.file:
             end = os.fstat(self.file.fileno()).st_size
             try:

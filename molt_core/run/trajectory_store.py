@@ -160,9 +160,8 @@ class TrajectoryWriter:
                 log.error("trajectory writer failed", error=self.proc.stdout.read().decode())
 
 
-# SCHED_IDLE (Linux) before the imports: the writer takes only CPU nobody else wants, from its
-# start on (the actors' imports and model builds are still running then). No garbage collector:
-# nothing here makes cycles, and its passes would rescan every buffered row.
+# SCHED_IDLE (Linux) before the imports: only CPU nobody else wants, from the start (the actors
+# still build then). No garbage collector: nothing here makes cycles; it would rescan every row.
 _SERVE = ("import gc, os; gc.disable()\nif hasattr(os, 'SCHED_IDLE'): os.sched_setscheduler(0, "
           "os.SCHED_IDLE, os.sched_param(0))\nimport molt_core.run.trajectory_store as s; s._serve()")
 

@@ -102,8 +102,7 @@ def molt_agents() -> dict:
 
 @hookimpl
 def molt_configure(cfg: Config, plugins: Any) -> None:
-    """Check the chat agent's arguments, and that the tokenizer (when model.path is a local dir)
-    has the chat template chat agents need."""
+    """The chat agent's arguments, and (model.path a local dir) the tokenizer's chat template."""
     if cfg.agent.name != "chat":
         return
     a = cfg.agent.args

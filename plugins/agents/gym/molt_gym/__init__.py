@@ -2,8 +2,7 @@
 
 The runner appends the sampled tokens unchanged (trainable) and tokenizes only the text the chat
 template adds after them (the environment's reply; masked), never re-tokenizing sampled text.
-Observations may hold images (`multimodal.images_of`), which ride with the trajectory.
-"""
+Observations may hold images (`multimodal.images_of`), which ride with the trajectory."""
 
 from __future__ import annotations
 

@@ -57,9 +57,8 @@ def _split(path: str, split: str, test_fraction: float,
 
 
 class MathProblems(Env):
-    """Single-turn math: task i is row i (mod len) of `split` ("train" | "test") of a local JSONL
-    file of {"prompt", "answer"} rows (e.g. DAPO-Math-17k converted once, offline); a row's
-    "split" field places it, else a hash of its prompt puts `test_fraction` of the rows in test.
+    """Single-turn math: task i is row i (mod len) of `split` ("train" | "test", as `_split` splits)
+    of a local JSONL file of {"prompt", "answer"} rows (e.g. DAPO-Math-17k converted once, offline).
     Reward 1 if the reply's \\boxed{} answer equals the reference (the `math` reward, math-verify;
     plugin molt-reward-math)."""
 
