@@ -122,13 +122,14 @@ torch.multinomial, with which the multi-token learning tests learn as before). O
 4 tokens 35 ms vs 115 ms for HF `generate` on the same batch; the trainer step 80 ms vs 155 ms for
 a bare fwd/bwd/AdamW over full rows (it was 185 ms). Log-probs match a full forward (tests).
 
-`smollm2` with the recipe in bf16 and Molt embedded, measured 2026-12-05 00:27 (`--workload
-smollm2 eval.every=5`, load 1.5-1.6; the table and bounds: docs/benchmarks.md): Molt sync / async
-vs TRL start-up 9.6 / 9.8 s vs 16.9 s (0.56x / 0.58x), median step 2.34 / 2.26 s vs 11.2 s (0.21x
-/ 0.20x), wall time to held-out accuracy 0.7 31.7 / 18.7 s vs 117.7 s (0.27x / 0.16x; sync and
-TRL at the step-10 evaluation, async at step 5), to 0.5 0.32x / 0.31x (all at step 5); the
-trainer 295 / 190 GFLOP/s on trained tokens vs TRL's 59 (bounds in the same run: fp32 matmul
-~220, bf16 ~900 on 2 threads); peak RSS 2.8 / 2.8 GiB vs 5.4 GiB.
+`smollm2` with the recipe in bf16 and Molt embedded, measured 2026-12-05 02:26 (`--workload
+smollm2 eval.every=5`, load 1.4-1.7; the table and bounds: docs/benchmarks.md): Molt sync / async
+vs TRL start-up 11.3 / 10.6 s vs 18.8 s (0.60x / 0.56x), median step 2.43 / 1.97 s vs 12.6 s
+(0.19x / 0.16x), wall time to held-out accuracy 0.7 20.8 / 18.5 s vs 133.3 s (0.16x / 0.14x; Molt
+at the step-5 evaluation, TRL at step 10), to 0.5 0.31x / 0.28x (all at step 5); the trainer 314 /
+224 GFLOP/s on trained tokens vs TRL's 52 (bounds in the same run: fp32 matmul ~205, bf16
+842-914 on 2 threads); peak RSS 3.1 / 3.2 GiB vs 5.3 GiB. At 00:27, before the trainer's small
+ops were cut: step 0.21x / 0.20x, to 0.7 0.27x / 0.16x, trainer 295 / 190 GFLOP/s.
 
 Before (fp32, Ray actors): `smollm2` on the recipe then (additions and multiplications, operands
 2-9, lr 3e-4, 20 steps, `eval.every=10`), measured 2026-12-01 at load ~2: held-out greedy accuracy
