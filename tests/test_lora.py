@@ -94,6 +94,31 @@ def test_lora_trains_adapters_only_syncs_merged_and_exports(ray_local, tiny_mode
         ray.kill(engine)
 
 
+def test_one_rank_keeps_merges_no_longer_than_a_step(ray_local, tiny_model_dir):
+    """One CPU rank keeps each adapted layer's merged weight from a step's first forward to the
+    reshard before its optimizer step (`lora.drop_merged`): after every step the trainer's
+    log-probs are those of the merged weights it now sends, not of the weights before it."""
+    path = str(tiny_model_dir)
+    engine = ray.remote(HFEngine).options(num_cpus=0).remote(path, seed=3)
+    cfg = dataclasses.replace(TrainerConfig(), num_ranks=1, lr=1e-2,
+                              lora=LoraConfig(rank=4, alpha=8.0, target_modules="all-linear"))
+    policy = Policy(path, cfg, seed=0)
+    try:
+        _, batch = sample_batch(engine, AutoTokenizer.from_pretrained(path))
+        before = policy.logprobs(batch)
+        for _ in range(2):
+            policy.train(batch, TrainStep(ppo_clip_loss, {}, "token-mean", 1.0))
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            model.load_state_dict(policy.full_params(), strict=False)
+            lp, mask = policy.logprobs(batch), batch["loss_mask"]
+            assert (lp - before).abs()[mask].max() > 1e-3           # the step moved them
+            assert (reference_logprobs(model, batch) - lp).abs()[mask].max() < 1e-4
+            before = lp
+    finally:
+        policy.shutdown()
+        ray.kill(engine)
+
+
 def test_lora_dropout_never_noises_trainer_logprobs(ray_local, tiny_model_dir):
     """Adapters' dropout stays off in every trainer forward (loss, pi_prox, saved log-probs): the
     ratio's log-probs are deterministic and those of the merged weights the engines sample."""

@@ -291,7 +291,7 @@ def test_grouped_eager_attention_is_hfs_eager():
     causal and padding mask included."""
     import types
     from transformers.models.llama.modeling_llama import eager_attention_forward
-    from molt_core.policy.worker import _grouped_eager
+    from molt_core.policy.logprobs import _grouped_eager
     torch.manual_seed(0)
     (b, h, kv, t, s, d), out = (2, 6, 2, 5, 8, 4), []
     mask = torch.full((t, s), -1e9).triu(s - t + 1).repeat(b, 1, 1, 1)

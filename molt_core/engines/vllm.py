@@ -153,10 +153,11 @@ class VLLMEngine:
         sampling, stop = check_sampling(sampling)
         stop_ids = sorted(stop if stop is not None else self.default_stop_ids)
         return SamplingParams(
-            n=1, temperature=float(sampling["temperature"]), min_p=float(sampling["min_p"]),
+            n=1, temperature=float(sampling["temperature"]), top_p=float(sampling["top_p"]),
             top_k=int(sampling["top_k"]) if sampling["top_k"] > 0 else 0,
-            repetition_penalty=float(sampling["repetition_penalty"]), min_tokens=0, logprobs=0,
-            presence_penalty=0.0, frequency_penalty=0.0, top_p=float(sampling["top_p"]),
+            min_p=float(sampling["min_p"]),
+            repetition_penalty=float(sampling["repetition_penalty"]),
+            presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0, logprobs=0,
             max_tokens=int(sampling["max_new_tokens"]), stop_token_ids=stop_ids, ignore_eos=True,
             seed=self.seed * 1_000_003 + next(self._request_ids) if seed is None else int(seed),
             detokenize=False, skip_special_tokens=False)

@@ -24,8 +24,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
                                     OffloadPolicy, fully_shard, register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from molt_core import lora, moe, multimodal, weight_sync
 from molt_core.policy.logprobs import Forward, fast_norms, token_logprobs
@@ -134,8 +132,8 @@ class PolicyWorker:
                  value_head: torch.nn.Module | None = None, model: Any = None) -> Forward:
         model = model or self.model
         if self.device.type == "cpu" and self.dtype != "float32":
-            # bf16 rows of <= 256 tokens: eager attention (matmuls) runs 2-4x faster than SDPA's
-            # flash kernel on CPU, which wins on longer rows (bench/trainer_bound.py)
+            # bf16 rows of <= 256 tokens: eager attention (matmuls; `logprobs._grouped_eager`)
+            # runs 2-4x faster than SDPA's flash kernel on CPU, which wins on longer rows
             long = mb["input_ids"].shape[1] > 256
             model.config._attn_implementation = "sdpa" if long else "molt_eager"
         return model.molt_token_logprobs(
@@ -332,25 +330,6 @@ class PolicyWorker:
 
 
 _IMAGE_KEYS = ("pixel_values", "image_grid_thw")   # per row, not per token (collate)
-
-
-def _grouped_eager(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: torch.Tensor | None, scaling: float, **_: Any
-                   ) -> tuple[torch.Tensor, None]:
-    """HF's eager attention (no dropout) with each KV head's G query heads as G x T rows of one
-    matmul instead of K and V copied G times (`repeat_kv`): those copies and their backward sums
-    were ~5 % of a CPU SmolLM2 step."""
-    (b, h, t, d), kv = query.shape, key.shape[1]
-    w = query.reshape(b, kv, h // kv * t, d) @ key.transpose(2, 3) * scaling
-    if attention_mask is not None:
-        w = (w.view(b, kv, h // kv, t, -1) + attention_mask[:, :, None, :, :key.shape[2]]
-             ).flatten(2, 3)
-    w = w.softmax(-1, dtype=torch.float32).to(query.dtype)
-    return (w @ value).view(b, h, t, d).transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register("molt_eager", _grouped_eager)
-AttentionMaskInterface.register("molt_eager", eager_mask)
 
 
 def _peak_gib() -> float:
