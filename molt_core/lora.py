@@ -35,6 +35,8 @@ def add_adapters(model: torch.nn.Module, lora: dict) -> torch.nn.Module:
     for m in model.modules():
         if type(m) is Linear:
             m.forward = partial(_merged_forward, m)
+            for p in (*m.lora_A.parameters(), *m.lora_B.parameters()):
+                p.data = p.data.float()     # fp32 masters (PEFT made them in the base's dtype)
     return model
 
 
@@ -76,11 +78,12 @@ class _Merged(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
-        x, w, a, b, kept = ctx.saved_tensors
+        x, w, a0, b0, kept = ctx.saved_tensors
         g2, x2 = g.flatten(0, -2), x.flatten(0, -2)
+        a, b = a0.to(g.dtype), b0.to(g.dtype)      # fp32 masters where no FSDP2 casts them
         ga, gb = (g2 @ b).T @ x2 * ctx.s, g2.T @ (x2 @ a.T) * ctx.s
         merged = _merge(w, a, b, ctx.s, g.dtype) if kept is None else kept
-        return g @ merged, None, None, ga.to(a.dtype), gb.to(b.dtype), None, None
+        return g @ merged, None, None, ga.to(a0.dtype), gb.to(b0.dtype), None, None
 
 
 def _merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float, dtype: torch.dtype

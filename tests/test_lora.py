@@ -119,6 +119,40 @@ def test_one_rank_keeps_merges_no_longer_than_a_step(ray_local, tiny_model_dir):
         ray.kill(engine)
 
 
+def test_one_cpu_rank_runs_lora_without_fsdp_as_two_fsdp_ranks_do(ray_local, tiny_model_dir):
+    """LoRA on one CPU rank is a plain module (no FSDP2: the bf16 base needs no sharding or
+    casts; `lora` casts the fp32 adapters, their grads come back fp32): two bf16 steps give the
+    losses, grad norms and adapters that two FSDP2 ranks give on the same rows."""
+    from torch.distributed.fsdp import FSDPModule
+    path = str(tiny_model_dir)
+    engine = ray.remote(HFEngine).options(num_cpus=0).remote(path, seed=3)
+    _, batch = sample_batch(engine, AutoTokenizer.from_pretrained(path))
+    runs = []
+    for n in (1, 2):
+        cfg = dataclasses.replace(TrainerConfig(), num_ranks=n, lr=1e-2,
+                                  lora=LoraConfig(rank=4, alpha=8.0, target_modules="all-linear"))
+        policy = Policy(path, cfg, dtype="bfloat16", seed=0)
+        try:
+            if n == 1:
+                model = policy.workers[0].worker.model
+                assert not any(isinstance(m, FSDPModule) for m in model.modules())
+                assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+            before = policy.logprobs(batch)
+            metrics = [policy.train(batch, TrainStep(ppo_clip_loss, {}, "token-mean", 1.0))
+                       for _ in range(2)]
+            runs.append((metrics, before, policy.logprobs(batch)))
+        finally:
+            policy.shutdown()
+    ray.kill(engine)
+    (one, b1, lp1), (two, b2, lp2) = runs
+    for m1, m2 in zip(one, two):
+        assert m1["grad_norm"] > 0 and m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=2e-2)
+        assert m1["loss"] == pytest.approx(m2["loss"], rel=2e-2, abs=1e-3)
+    mask = batch["loss_mask"]
+    moved, apart = (lp1 - b1).abs()[mask].max(), (lp1 - lp2).abs()[mask].max()
+    assert apart < 0.1 * moved          # the same update, up to bf16 and Adam's noise
+
+
 def test_lora_dropout_never_noises_trainer_logprobs(ray_local, tiny_model_dir):
     """Adapters' dropout stays off in every trainer forward (loss, pi_prox, saved log-probs): the
     ratio's log-probs are deterministic and those of the merged weights the engines sample."""

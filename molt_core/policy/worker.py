@@ -1,7 +1,7 @@
 """Trainer backend `fsdp2`, one rank: an HF causal LM sharded with torch `fully_shard`
 (gloo on CPU, NCCL on CUDA), run by `policy.handle.Policy` as a Ray actor or, for one CPU rank
 reserving nothing, in the driver's process (`trainer.in_driver`). World size 1 runs the same FSDP2
-code path as world size N."""
+code path as world size N, but for LoRA on one CPU rank: a plain module there (`_build_model`)."""
 
 from __future__ import annotations
 
@@ -74,8 +74,7 @@ class PolicyWorker:
         (`trainer.optimizer_offload`: params, grads and AdamW state live on the CPU). Parameters
         and AdamW stay fp32 (master weights); forward and backward run in `dtype` (FSDP2
         mixed precision), routers in fp32."""
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
-        # fp32 masters; with LoRA only the adapters train (PEFT keeps them fp32)
+        # fp32 masters; with LoRA only the adapters train (`lora.add_adapters` keeps them fp32)
         lora_rank = self.cfg["lora"]["rank"]
         model = multimodal.load_model(model_path, dtype if lora_rank else torch.float32)
         moe.keep_router_fp32(model)     # frozen LoRA bases load in `dtype`, routers stay fp32
@@ -83,15 +82,28 @@ class PolicyWorker:
         model = model.to(self.device)
         if lora_rank:
             model = lora.add_adapters(model, self.cfg["lora"])
+        for gate in moe.moe_gates(model):
+            gate.requires_grad_(self.cfg["moe_routing"] != "freeze_router")
+        # One rank, text models: the layers stay unsharded through the step (`_reshard` before the
+        # optimizer) so token_logprobs may run a shared context apart from the rows continuing it
+        # (two forwards of a layer per backward; VL models keep mRoPE state from one to the next)
+        self.share_context = self.world_size == 1 and not multimodal.is_vl(model.config)
+        lora.drop_merged(model, keep=self.share_context and self.device.type == "cpu")
+        if self.world_size == 1 and lora_rank and self.device.type == "cpu":
+            # nothing to shard, the frozen base already in `dtype`, adapters and routers cast where
+            # used (`lora`, `moe`): no FSDP2, whose per-layer hooks, all-gather copies and DTensor
+            # dispatch were ~15 % of a SmolLM2 LoRA step (same losses and grads bit for bit)
+            return model
         offload = (CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
                    if self.cfg["optimizer_offload"] else OffloadPolicy())
+
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
 
         def shard(module: torch.nn.Module, cast_inputs: bool = True) -> None:
             fully_shard(module, mesh=mesh, offload_policy=offload, mp_policy=MixedPrecisionPolicy(
                 param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=cast_inputs))
 
         for gate in moe.moe_gates(model):    # own group, no cast: fp32 among bf16 compute
-            gate.requires_grad_(self.cfg["moe_routing"] != "freeze_router")
             fully_shard(gate, mesh=mesh, offload_policy=offload)
         for layer in multimodal.decoder_layers(model):
             shard(layer)
@@ -100,13 +112,8 @@ class PolicyWorker:
         # A param without grad on one rank (unrouted expert, idle lm_head) must not shrink its
         # reduce-scatter: unequal collectives hang.
         model.set_reduce_scatter_unused_params(True)
-        # One rank, text models: the layers stay unsharded through the step (`_reshard` before the
-        # optimizer) so token_logprobs may run a shared context apart from the rows continuing it
-        # (two forwards of a layer per backward; VL models keep mRoPE state from one to the next)
-        self.share_context = self.world_size == 1 and not multimodal.is_vl(model.config)
         model.set_reshard_after_forward(not self.share_context)
         model.set_reshard_after_backward(not self.share_context)
-        lora.drop_merged(model, keep=self.share_context and self.device.type == "cpu")
         return model
 
     def ready(self) -> int:
