@@ -65,8 +65,7 @@ def group_stats(values: torch.Tensor, group_index: torch.Tensor
     _, inv, counts = torch.unique(group_index, return_inverse=True, return_counts=True)
     G = counts.numel()
     v = values.to(torch.float64)
-    sums = torch.zeros(G, dtype=v.dtype).index_add_(0, inv, v)
-    mean = sums / counts
+    mean = torch.zeros(G, dtype=v.dtype).index_add_(0, inv, v) / counts
     sq = torch.zeros(G, dtype=v.dtype).index_add_(0, inv, (v - mean[inv]) ** 2)
     std = torch.where(counts > 1, (sq / (counts - 1).clamp(min=1)).sqrt(), torch.zeros_like(sq))
     return (mean[inv].to(values.dtype), std[inv].to(values.dtype), counts[inv])
@@ -76,13 +75,11 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = Tru
                   eps: float = 1e-8) -> torch.Tensor:
     """(x - mean) / (std + eps) with mean and (biased) std over `mask`; 0 outside the mask.
 
-    `shift_mean=False` only rescales (x / (std + eps)). One masked element: std 0, so x - mean = 0.
-    """
+    `shift_mean=False` only rescales (x / (std + eps)). One masked element: std 0, x - mean = 0."""
     m = mask.to(x.dtype)
     mean = masked_mean(x, m)
     std = masked_mean((x - mean) ** 2, m).sqrt()
-    out = (x - mean if shift_mean else x) / (std + eps)
-    return out * m
+    return (x - mean if shift_mean else x) / (std + eps) * m
 
 
 def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float,
@@ -194,8 +191,7 @@ def is_correction(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask:
     whose w exceeded the cap), `is_weight` (the weight applied)."""
     if mode not in CORRECTIONS:
         raise ValueError(f"unknown off-policy correction '{mode}'; valid: {', '.join(CORRECTIONS)}")
-    unknown = set(thresholds) - set(CORRECTIONS[mode])
-    if unknown:
+    if unknown := set(thresholds) - set(CORRECTIONS[mode]):
         raise ValueError(f"correction '{mode}' takes {sorted(CORRECTIONS[mode])}, got {sorted(unknown)}")
     th = {**CORRECTIONS[mode], **thresholds}
     m = mask.bool()

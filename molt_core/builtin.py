@@ -63,8 +63,7 @@ def molt_configure(cfg) -> None:  # noqa: ANN001 - Config, imported lazily
     if (cfg.engine.name == "vllm" and cfg.trainer.moe_routing == "replay"
             and model_facts(cfg.model.path)["num_experts"]):
         from molt_core.engines.vllm import routed_experts_unsupported
-        reason = routed_experts_unsupported()
-        if reason:
+        if reason := routed_experts_unsupported():
             raise ConfigError(
                 f"trainer.moe_routing=replay needs the engine's routed experts, but {reason}. "
                 "Use trainer.moe_routing=off or freeze_router (the trainer recomputes routing; "

@@ -45,8 +45,7 @@ def load(recipe: str | None, overrides: list[str], plugin_names: list[str] = (),
          blocked: list[str] = (), weights: bool = True) -> tuple[Config, Plugins]:
     """Plugins, then config (recipe < --plugin selections < key=value), then cross-checks;
     `weights` False: missing model weights are a warning (`molt config`), not an error."""
-    bad = [b for b in blocked if not b.startswith("no:")]
-    if bad:
+    if bad := [b for b in blocked if not b.startswith("no:")]:
         raise PluginError(f"-p takes no:NAME to block a plugin (got {bad[0]!r})")
     plugins = build_plugins(plugin_names, blocked)
     cfg = load_config(recipe, plugins.selection_overrides() + list(overrides),
@@ -94,8 +93,7 @@ def run(args: argparse.Namespace) -> int:
     _, history = start(args.recipe, args.overrides, args.plugin, args.blocked, resume=args.resume,
                        progress=not args.no_progress, checkpoint=args.checkpoint,
                        argv=["molt", *args.argv], log_level=getattr(args, "log_level", "INFO"))
-    steps = [h for h in history if "reward/mean" in h]      # not the eval rows
-    if steps:
+    if steps := [h for h in history if "reward/mean" in h]:      # not the eval rows
         first, last = steps[0]["reward/mean"], steps[-1]["reward/mean"]
         print(f"reward: first step {first:.3f} -> last step {last:.3f} ({len(steps)} steps)")
     return 0

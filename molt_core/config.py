@@ -1,8 +1,7 @@
 """Typed run configuration: dataclasses loaded from YAML (`safe_load`) plus `a.b=c` overrides.
 
 Every error is a `ConfigError` raised before any process starts; its message names the key and
-the fix. Plugin-specific options live under the plugin's own section (see `molt_config_sections`).
-"""
+the fix. Plugin-specific options live under the plugin's own section (`molt_config_sections`)."""
 
 from __future__ import annotations
 
@@ -294,8 +293,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override '{item}' is not of the form key=value (e.g. trainer.steps=50)")
-        node = data
-        parts = key.split(".")
+        node, parts = data, key.split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
@@ -349,8 +347,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (),
             raise ConfigError(f"recipe '{path}' must be a YAML mapping at top level")
     data = apply_overrides(data, list(overrides))
     sections = sections or {}
-    clash = {f.name for f in dataclasses.fields(Config)} & set(sections)
-    if clash:
+    if clash := {f.name for f in dataclasses.fields(Config)} & set(sections):
         raise ConfigError(f"plugin config sections {sorted(clash)} clash with core sections")
     plugin_data = {k: data.pop(k) for k in list(data) if k in sections}
     try:

@@ -2,8 +2,7 @@
 
 Registration hooks return `{name: object}` (objects as `molt_core.contracts` declares them); the
 core merges them across plugins and raises on a duplicate or unknown name, listing the valid ones.
-Pipeline hooks fire at named points of the training loop (`trainer.py`). Docs: docs/plugins.md.
-"""
+Pipeline hooks fire at named points of the training loop (`trainer.py`). Docs: docs/plugins.md."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ def molt_estimators() -> dict[str, Callable]:
     advantages[R]` (`group_index` long). With `fn.needs_values = True`, per token with the critic's
     values: `fn(rewards[B, T], values[B, T], mask[B, T], group_index[B], **kwargs) ->
     (advantages[B, T], returns[B, T])` (`molt_core.advantage`). With `fn.per_turn = True`,
-    advantages[R, K]: one per model call (`Trajectory.turns`). kwargs: `algorithm.estimator_args`.
-    """
+    advantages[R, K]: per model call (`Trajectory.turns`). kwargs: `algorithm.estimator_args`."""
 
 
 @hookspec

@@ -60,8 +60,7 @@ class _Routing:
         4-6; the value of transformers' `load_balancing_loss_func` when nothing is replayed)."""
         m = mask.reshape(-1).to(self.probs[0].device, torch.float32)
         E = self.probs[0].shape[-1]
-        f = torch.zeros(E, device=m.device)
-        p = torch.zeros(E, device=m.device)
+        f, p = torch.zeros(E, device=m.device), torch.zeros(E, device=m.device)
         for probs, idx in zip(self.probs, self.used):
             f = f.scatter_add(0, idx.reshape(-1), m.repeat_interleave(idx.shape[-1]))
             p = p + (probs * m[:, None]).sum(0)

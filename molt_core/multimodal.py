@@ -118,8 +118,7 @@ class ImageEncoder:
             raise ValueError(f"model '{model_path}' ({config.model_type}) takes no images: an "
                              "environment or chat message sent an image to a text-only policy")
         self.processor = AutoImageProcessor.from_pretrained(model_path)
-        self.tok = tokenizer
-        self.image_id = config.image_token_id
+        self.tok, self.image_id = tokenizer, config.image_token_id
         self.pad = tokenizer.convert_ids_to_tokens(self.image_id)
 
     def encode(self, text: str, images: Sequence[Any]) -> tuple[list[int], list[ImageInput]]:
@@ -156,8 +155,7 @@ class MessageEncoder:
         self.tok, self.path, self._images = tokenizer, model_path, None
 
     def __call__(self, text: str, messages: Sequence[dict]) -> tuple[list[int], list[ImageInput]]:
-        images = images_of(messages)
-        if not images:
+        if not (images := images_of(messages)):
             return self.tok(text, add_special_tokens=False).input_ids, []
         if self._images is None:
             path = self.tok.name_or_path if self.path is None else self.path

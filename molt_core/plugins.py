@@ -118,13 +118,11 @@ class Plugins:
             return
         names = {p.name for p in params if p.kind is p.KEYWORD_ONLY
                  or (p.kind is p.POSITIONAL_OR_KEYWORD and p.default is not p.empty)}
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
+        if unknown := sorted(set(kwargs) - names):
             raise ConfigError(f"{where}: {what} does not accept {', '.join(unknown)}; "
                               f"it accepts: {', '.join(sorted(names)) or '(nothing)'}")
-        missing = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty
-                   and p.name not in kwargs]
-        if missing:
+        if missing := [p.name for p in params if p.kind is p.KEYWORD_ONLY
+                       and p.default is p.empty and p.name not in kwargs]:
             raise ConfigError(f"{where}: {what} needs {', '.join(missing)}")
 
     def hooks_of(self, name: str) -> list[str]:
@@ -331,6 +329,5 @@ def _merge(pm: pluggy.PluginManager) -> tuple[dict, dict]:
                     raise PluginError(f"{kind} '{entry}' is registered by both plugin "
                                       f"'{owner[(kind, entry)]}' and plugin '{impl.plugin_name}'; "
                                       "block one with -p no:NAME")
-                registry[kind][entry] = obj
-                owner[(kind, entry)] = impl.plugin_name
+                registry[kind][entry], owner[(kind, entry)] = obj, impl.plugin_name
     return registry, owner

@@ -215,8 +215,7 @@ def collate(trajs: list[Trajectory], advantages: list[list[float]] | None, pad_i
             if t.routed_experts:
                 out["routed_experts"][i, :len(t)] = torch.tensor(t.routed_experts,
                                                                  dtype=torch.int32)
-    images = [t.images for t in trajs]
-    if any(images):
+    if any(images := [t.images for t in trajs]):
         out |= _pack_images(images)
     return out
 

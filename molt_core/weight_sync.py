@@ -118,8 +118,7 @@ def send(named: Iterable[tuple[str, torch.Tensor]], engines: list, version: int,
 
 def _verify(got: list, sent: dict[str, tuple[int, int]], engines: list, version: int) -> None:
     for i, sums in enumerate(got):      # None: an engine that keeps no checksums
-        bad = [n for n, c in (sums or {}).items() if n in sent and sent[n][1] != c]
-        if bad:
+        if bad := [n for n, c in (sums or {}).items() if n in sent and sent[n][1] != c]:
             raise WeightMismatchError(
                 f"weight sync of version {version}: engine {i} ({engines[i]}) holds other bytes "
                 f"than trainer rank 0 sent for {len(bad)} parameter(s), first '{bad[0]}' of "
@@ -135,8 +134,7 @@ def connect(engines: list, timeout_s: float, transport: str = "broadcast"
                  "weight_group_info")
     me = ray.util.get_node_ip_address()
     if transport == "shm":
-        remote = [i for i, (_, ip) in enumerate(info) if ip != me]
-        if remote:
+        if remote := [i for i, (_, ip) in enumerate(info) if ip != me]:
             raise WeightSyncError(f"trainer.weight_sync_transport=shm needs every engine on "
                                   f"trainer rank 0's node ({me}); engines {remote} are not: use "
                                   "broadcast")

@@ -84,8 +84,7 @@ def check_sampling(body: dict, sampling: dict) -> None:
 
 
 def stop_strings(body: dict, key: str) -> list[str]:
-    stop = body.get(key)
-    if stop is None:
+    if (stop := body.get(key)) is None:
         return []
     stop = [stop] if isinstance(stop, str) else _want(stop, list, key)
     for i, s in enumerate(stop):
@@ -139,8 +138,7 @@ def _role(m: Any, where: str, allowed: tuple[str, ...]) -> str:
 
 
 def _messages_list(body: dict, key: str = "messages") -> list:
-    msgs = body.get(key)
-    if not isinstance(msgs, list) or not msgs:
+    if not isinstance(msgs := body.get(key), list) or not msgs:
         raise RequestError(400, f"'{key}' must be a non-empty list")
     return msgs
 
@@ -282,8 +280,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[tuple[str, str, Any]], bool]:
             continue
         args = obj.get("arguments", {})
         raw = json.dumps(args, ensure_ascii=False)
-        key = re.search(r'"arguments"\s*:\s*', body)
-        if key is not None:
+        if (key := re.search(r'"arguments"\s*:\s*', body)) is not None:
             with contextlib.suppress(json.JSONDecodeError):
                 value, end = json.JSONDecoder().raw_decode(body, key.end())
                 if value == args:
@@ -295,8 +292,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[tuple[str, str, Any]], bool]:
     malformed = text.count("<tool_call>") != len(calls)
     if not calls:
         return text, [], malformed
-    content = text[:first]
-    return content[:-1] if content.endswith("\n") else content, calls, malformed
+    return text[:first].removesuffix("\n"), calls, malformed
 
 
 def token_logprobs(r: Reply, tokens: list[str], top: int) -> list[dict]:

@@ -157,8 +157,7 @@ class ChatSession:
     def _cut(self, c: Completion, stop: list[str]) -> tuple[Completion, str | None]:
         """The completion before the first stop string in its text (a straddling token goes too)."""
         text = self._decode(c.token_ids)
-        hits = sorted((text.find(s), i, s) for i, s in enumerate(stop) if s in text)
-        if not hits:
+        if not (hits := sorted((text.find(s), i, s) for i, s in enumerate(stop) if s in text)):
             return c, None
         pos, _, s = hits[0]
         k = 0
@@ -343,8 +342,7 @@ class ChatServer:
         """Forget the session (later requests get 404) and return its trajectory."""
         self.sessions.pop(session.id, None)
         traj = session.trajectory
-        traj.info["chat_requests"] = session.requests
-        traj.info["chat_generations"] = session.generations
+        traj.info.update(chat_requests=session.requests, chat_generations=session.generations)
         if any(session._roles):         # the links between segments (docs/agents.md, Compaction)
             traj.info["segment_roles"] = session._roles
         return traj
@@ -396,8 +394,7 @@ class ChatServer:
                 s._last.malformed = True
                 info = s.trajectory.info
                 info["malformed_tool_calls"] = info.get("malformed_tool_calls", 0) + 1
-            resp = self._response(api, s, body, reply, content, calls, malformed)
-            s._cache[key] = resp
+            s._cache[key] = resp = self._response(api, s, body, reply, content, calls, malformed)
             return resp, stream
 
     @staticmethod

@@ -63,6 +63,5 @@ class Requests:
 
     def abort(self, ids: list[str]) -> None:
         for i in ids:
-            task = self._tasks.pop(i, None)
-            if task is not None:
+            if (task := self._tasks.pop(i, None)) is not None:
                 task.cancel()

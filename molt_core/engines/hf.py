@@ -206,8 +206,7 @@ class HFEngine:
             raise RuntimeError(f"finish_weight_update({version}) but the update in progress is "
                                f"{self._update_version}")
         self._bind_loop()
-        missing = [n for i, n in self._canonical.items() if i not in self._updated]
-        if missing:
+        if missing := [n for i, n in self._canonical.items() if i not in self._updated]:
             raise RuntimeError(f"weight update to version {version} did not assign "
                                f"{len(missing)} parameter(s): {', '.join(missing)}")
         self._version, self._update_version = version, None
@@ -294,8 +293,7 @@ class HFEngine:
             await self._can_run.wait()
             if epoch != self._weights_epoch:
                 # Fresh wave or new weights: (re)build the KV cache from prompt + tokens so far.
-                rows = [r for r in wave if r.finish_reason is None]
-                if not rows:
+                if not (rows := [r for r in wave if r.finish_reason is None]):
                     return
                 logits, cache, mask, pos, seen, routed = self._prefill(rows)
                 epoch = self._weights_epoch

@@ -112,8 +112,7 @@ class Policy:
         # Equal rows per rank -> equal micro-batch counts -> FSDP collectives never hang.
         n = len(self.workers) // self.replicas
         B = batch["input_ids"].shape[0]
-        per = math.ceil(B / n)
-        cuts = _cuts(batch, [d * per for d in range(1, n)])
+        cuts = _cuts(batch, [d * math.ceil(B / n) for d in range(1, n)])
         cuts += [(B, B)] * (n - len(cuts))      # fewer rollouts than shards: padding only
         self._sizes = [e - s for s, e in cuts]
         wire = (lambda t: t) if self.in_driver else _wire
@@ -156,9 +155,8 @@ class Policy:
         for _ in range(self.cfg.epochs):
             for s, e in bounds:
                 part = {k: v[s:e] for k, v in batch.items()}
-                mask = part["loss_mask"]
                 steps.append(self._get([w.train_step.remote(
-                    p, spec, int(mask.sum()), num_sequences(part))
+                    p, spec, int(part["loss_mask"].sum()), num_sequences(part))
                     for w, p in zip(self.workers, self._split(part))], "train_step")[::self.replicas])
                 self._count_nonfinite(steps[-1][0]["nonfinite"])
         outs = [o for step in steps for o in step]
@@ -208,9 +206,8 @@ class Policy:
 
     def _per_rank(self, method: str, batch: dict[str, torch.Tensor], *args: Any) -> Any:
         """The data shards' [b, T, ...] results of `method` as one [B, T, ...] (tuples: each)."""
-        parts = self._get([getattr(w, method).remote(p, *args)
-                           for w, p in zip(self.workers, self._split(batch))],
-                          method)[::self.replicas]
+        parts = self._get([getattr(w, method).remote(p, *args) for w, p in
+                           zip(self.workers, self._split(batch))], method)[::self.replicas]
         if isinstance(parts[0], tuple):
             return tuple(None if col[0] is None else self._unsplit(col) for col in zip(*parts))
         return self._unsplit(parts)

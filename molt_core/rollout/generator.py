@@ -416,8 +416,7 @@ def version_lag_metrics(trajs: list[Trajectory], version: int) -> dict[str, floa
     sampled by more than one version (`rollout/multi_version`: partial rollout)."""
     trained = [list(itertools.compress(t.versions, t.loss_mask)) for t in trajs]
     lags = {version - v: c for v, c in Counter(itertools.chain.from_iterable(trained)).items()}
-    n = sum(lags.values())
-    if not n:
+    if not (n := sum(lags.values())):
         return {}
     multi = sum(len(set(vs)) > 1 for vs in trained)
     out = {"rollout/version_lag_mean": sum(k * c for k, c in lags.items()) / n,

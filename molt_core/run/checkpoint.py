@@ -195,8 +195,7 @@ class Checkpointer:
                               for t in g] for g in gen["buffer"]]   # plain data: weights_only
             plugin_state = {impl.plugin_name: impl.function()
                             for impl in self.plugins.hook.molt_state_dict.get_hookimpls()}
-            timeout = self.cfg.engine.timeout_s
-            engine_rng = [actors.get(e.rng_state.remote(), timeout=timeout)
+            engine_rng = [actors.get(e.rng_state.remote(), timeout=self.cfg.engine.timeout_s)
                           if hasattr(e, "rng_state") else None for e in self.engines]
             buf = io.BytesIO()          # a full disk: an OSError, where torch.save's is not
             torch.save({"step": done, "version": self.version, "critic": critic,

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, Iterator
 
 import ray
@@ -52,10 +52,9 @@ def prestart(recipe: str, overrides: list[str]) -> Iterator[None]:
     """Inside, `recipe`'s local Ray starts in a thread while the driver imports torch,
     transformers and the plugins (seconds each); `init_ray` takes it, an error stops it. Not with
     `ray.address`, plugin config sections (unread before the plugins load) or torch imported."""
-    try:
+    cfg = None
+    with suppress(ConfigError):
         cfg = load_config(recipe, overrides)
-    except ConfigError:
-        cfg = None
     if cfg and "torch" not in sys.modules and embedded(cfg, trainer=True, cuda=False):
         _omp_set[:] = [] if "OMP_WAIT_POLICY" in os.environ else [True]
         os.environ.setdefault("OMP_WAIT_POLICY", "active")    # docs/benchmarks.md, "Two teams"
@@ -216,10 +215,9 @@ def rank_placement(n: int, options: dict, timeout_s: float) -> tuple[list[dict],
         raise TimeoutError(f"{n} trainer ranks of {need} could not be placed within {timeout_s}s "
                            "(trainer.timeout_s): the cluster lacks free resources")
     nodes = set(placement_group_table(pg)["bundles_to_node_id"].values())
-    in_bundle = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
-                 for i in range(n)]
     host = _host(nodes == {ray.get_runtime_context().get_node_id()})
-    return [{**options, "scheduling_strategy": s} for s in in_bundle], host, pg
+    return [{**options, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+        pg, placement_group_bundle_index=i)} for i in range(n)], host, pg
 
 
 def reserved(opts: dict) -> dict[str, float]:

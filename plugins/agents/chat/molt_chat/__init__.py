@@ -54,8 +54,7 @@ class ChatRunner:
         self.held_out = self.agent_args.get("split") == "test" and \
             "split" in inspect.signature(self.agent_cls).parameters   # eval: as molt_gym's rule
         require_chat_template(tokenizer)
-        self.tok = tokenizer
-        self.max_segments = max_segments
+        self.tok, self.max_segments = tokenizer, max_segments
         self.max_body_bytes = int(max_request_mb * 2**20)
         from transformers import AutoConfig
         self.max_context = AutoConfig.from_pretrained(

@@ -41,8 +41,7 @@ class GymAgent:
             "split" in inspect.signature(self.env_cls).parameters
         self.max_turns = max_turns
         self.system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        self.chat_template = chat_template
-        self.tok = tokenizer
+        self.chat_template, self.tok = chat_template, tokenizer
         self.model_path = cfg.model.path if cfg is not None else ""
         self.encode = multimodal.MessageEncoder(tokenizer, self.model_path)
         self._openings: dict[str, tuple[str, list[int]]] = {}   # text-only first prompts

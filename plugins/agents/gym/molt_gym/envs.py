@@ -49,8 +49,7 @@ def _split(path: str, split: str, test_fraction: float,
     def side(row: dict) -> str:
         held = zlib.crc32(str(row[need[0]]).encode()) % 10_000 < test_fraction * 10_000
         return row.get("split", "test" if held else "train")
-    rows = tuple(r for r in rows if side(r) == split)
-    if not rows:
+    if not (rows := tuple(r for r in rows if side(r) == split)):
         raise ValueError(f"{path}: no '{split}' rows (test_fraction={test_fraction}, rows' "
                          "own 'split' field)")
     return rows

@@ -235,8 +235,7 @@ class _Cgroups:
 
     def close(self) -> None:
         for _ in range(200):
-            pids = (self.dirs[0] / "cgroup.procs").read_text().split()
-            for pid in pids:
+            for pid in (self.dirs[0] / "cgroup.procs").read_text().split():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), signal.SIGKILL)
             try:
