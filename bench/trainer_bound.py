@@ -189,14 +189,15 @@ def breakdown(policy: Policy, batch: dict[str, torch.Tensor], spec: Any) -> dict
     t0 = now()
     head = ((lp_mod._Head, "apply") if hasattr(lp_mod, "_Head")     # before: _chunked
             else (lp_mod, "_chunked"))
-    with (_timing(times, *head, "head"), _timing(times, lp_mod, "_shared_context"),
+    trunk = "_trunk" if hasattr(lp_mod, "_trunk") else "_shared_context"    # before: a cache
+    with (_timing(times, *head, "head"), _timing(times, lp_mod, trunk, "trunk"),
           _timing(times, worker_mod, "objective"), _timing(times, w, "_forward"),
           _timing(times, w, "_optimizer_step"), _timing(times, torch.Tensor, "backward")):
         policy.train(batch, spec)
     total = now() - t0
     fwd = times.get("_forward", 0.0)
-    out = {"shared prompt forward": times.get("_shared_context", 0.0),
-           "trunk forward": fwd - times.get("head", 0.0) - times.get("_shared_context", 0.0),
+    out = {"trunk forward (prompts and rows)": times.get("trunk", 0.0),
+           "rest of forward": fwd - times.get("head", 0.0) - times.get("trunk", 0.0),
            "log-prob head (fwd)": times.get("head", 0.0),
            "loss": times.get("objective", 0.0), "backward": times.get("backward", 0.0),
            "optimizer": times.get("_optimizer_step", 0.0)}

@@ -285,6 +285,28 @@ def test_nonfinite_steps_are_skipped_and_abort_in_a_row(cluster, trained, model_
     assert_params_close(p.full_params(), after, atol=0.0)
 
 
+def test_packed_shared_prompts_are_the_rows_own_forward(model_path):
+    """`molt_eager` (one CPU rank, bf16 rows) packs the distinct prompts and the rows continuing
+    them into one forward (`logprobs._trunk`): the log-probs, entropies and gradients of the
+    rows' own forward (fp64; two prompts, right-padded rows, a row with nothing to train)."""
+    from molt_core.policy.logprobs import token_logprobs
+    batch = make_batch(model_path, seed=2, shared=8)
+    batch["input_ids"][B_ROWS // 2:, :8] = torch.arange(1, 9)              # a second prompt
+    out, calls = [], []
+    for share in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
+        model.config._attn_implementation = "molt_eager"
+        model.model.register_forward_pre_hook(
+            lambda m, a, k: calls.append(k["input_ids"].shape), with_kwargs=True)
+        fwd = token_logprobs(model, batch, 1.0, 64, share_context=share)
+        (fwd.logprobs.sum() + fwd.entropy.sum()).backward()
+        out.append((fwd.logprobs, fwd.entropy, *(p.grad for p in model.parameters())))
+    assert len(calls) == 2 and calls[0][0] == B_ROWS and calls[1][0] == 1    # packed: one row
+    assert (out[0][0] != 0).sum() > B_ROWS
+    for got, want in zip(out[1], out[0]):       # attention's softmax is fp32 in either
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_grouped_eager_attention_is_hfs_eager():
     """The trainer's attention for short CPU bf16 rows (`molt_eager`: a KV head's G query heads
     as G x T rows of one matmul) is HF's eager attention with repeat_kv: outputs and gradients,

@@ -48,13 +48,10 @@ def token_logprobs(model: Any, batch: dict[str, torch.Tensor], temperature: floa
         extra = multimodal.model_inputs(model, input_ids, attention_mask, *multimodal.unpack_rows(
             batch["pixel_values"], batch["image_grid_thw"]))
     with moe.routing(model, batch.get("routed_experts"), moe_routing) as routing:
-        q, cache = _shared_context(model, input_ids, attention_mask, loss_mask,
-                                   share_context and not (routing.used or extra))  # dense, text
         T = input_ids.shape[1]
         end = T - (T > 1 and not (routing.used or extra))     # text: the last predicts none
-        hidden = model.model(input_ids=input_ids[:, q:end], attention_mask=attention_mask[:, :end],
-                             past_key_values=cache, use_cache=cache is not None,
-                             **extra).last_hidden_state                       # [b, end - q, H]
+        q, hidden = _trunk(model, input_ids[:, :end], attention_mask[:, :end], loss_mask, extra,
+                           share_context and not (routing.used or extra))   # [b, end - q, H]
     ids = aux = None
     if routing.used:
         ids = routing.ids().view(*input_ids.shape, *routing.ids().shape[1:])
@@ -88,7 +85,7 @@ class _Head(torch.autograd.Function):
         with torch.no_grad():
             logp = _log_softmax(head(h), banned, temperature)
             p = logp.exp()
-            entropy = -torch.linalg.vecdot(p, logp)       # no [n, V] product written
+            entropy = -(p[:, None] @ logp[..., None]).view(-1)   # no [n, V] product written
             if ctx.needs_input_grad[0] and not head.weight.requires_grad:
                 p.neg_()[torch.arange(len(p)), targets] += 1
                 ctx.dh = p.to(h.dtype) @ head.weight.to(h.dtype) / temperature
@@ -116,11 +113,29 @@ class _Head(torch.autograd.Function):
 
 
 def _grouped_eager(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: torch.Tensor | None, scaling: float, **_: Any
-                   ) -> tuple[torch.Tensor, None]:
+                   attention_mask: torch.Tensor | None, scaling: float,
+                   molt_pack: tuple | None = None, **_: Any) -> tuple[torch.Tensor, None]:
     """HF's eager attention (no dropout) with each KV head's G query heads as G x T rows of one
     matmul instead of K and V copied G times (`repeat_kv`): those copies and their backward sums
-    were ~5 % of a CPU SmolLM2 step."""
+    were ~5 % of a CPU SmolLM2 step. `molt_pack` (u, q, sel): `_trunk`'s packed forward, u
+    prompts of q tokens then B rows of t, row r continuing prompt sel[r] (one-hot [B, u]): each
+    prompt causal, each row over its prompt's keys and its own, as with a KV cache."""
+    if molt_pack is not None:
+        (u, q, sel), n = molt_pack, molt_pack[0] * molt_pack[1]
+        B, t = len(sel), (query.shape[2] - n) // len(sel)
+
+        def part(x: torch.Tensor, b: int) -> torch.Tensor:    # [1, h, b t, d] -> [b, h, t, d]
+            return x[0].unflatten(1, (b, -1)).transpose(0, 1)
+        mask = torch.full((q + t, q + t), torch.finfo(query.dtype).min, dtype=query.dtype,
+                          device=query.device).triu(1)[None, None]
+        kp, vp = part(key[:, :, :n], u), part(value[:, :, :n], u)
+        k, v = (torch.cat([(sel.to(x.dtype) @ x.reshape(u, -1)).view(B, *x.shape[1:]),
+                           part(y[:, :, n:], B)], 2) for x, y in ((kp, key), (vp, value)))
+        return torch.cat([
+            _grouped_eager(module, part(query[:, :, :n], u), kp, vp, mask[..., :q, :q],
+                           scaling)[0].flatten(0, 1),
+            _grouped_eager(module, part(query[:, :, n:], B), k, v, mask[..., q:, :], scaling
+                           )[0].flatten(0, 1)])[None], None
     (b, h, t, d), kv = query.shape, key.shape[1]
     w = query.reshape(b, kv, h // kv * t, d) @ key.transpose(2, 3) * scaling
     if attention_mask is not None:
@@ -166,22 +181,32 @@ def _log_softmax(logits: torch.Tensor, banned: torch.Tensor, temperature: float)
     return (z.index_fill(-1, banned, -1e30) if banned.numel() else z).log_softmax(-1)
 
 
-def _shared_context(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    loss_mask: torch.Tensor, share: bool) -> tuple[int, DynamicCache | None]:
-    """(q, the KV cache of input_ids[:, :q] from one forward per distinct row, expanded to every
-    row), q the last position before any trainable token; (0, None) if that saves < 1/4 of it."""
+def _trunk(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+           loss_mask: torch.Tensor, extra: dict, share: bool) -> tuple[int, torch.Tensor]:
+    """(q, the last hidden states [b, t - q, H] of input_ids [b, t] from q on). `share`: the
+    context every row has before q (the last position before any trainable token) runs once per
+    distinct row if that saves >= 1/4 of the tokens: under `molt_eager` packed with the right-
+    padded rows into one forward (`_grouped_eager`'s `molt_pack`: one pass through the layers,
+    not two), else as a KV cache expanded to the rows. Otherwise q = 0: the rows as they are."""
     B, T = input_ids.shape
     first = torch.where(loss_mask.any(-1), loss_mask.int().argmax(-1), attention_mask.sum(-1))
     q = int(first.min()) - 1                   # hidden[:, q] predicts the first trainable token
-    if not share or q < 1 or not attention_mask[:, :q].all():
-        return 0, None
-    uniq, inv = torch.unique(input_ids[:, :q], dim=0, return_inverse=True)
-    if (B - len(uniq)) * q * 4 < B * T:
-        return 0, None
+    uniq, inv = torch.unique(input_ids[:, :max(q, 1)], dim=0, return_inverse=True)
+    if not share or q < 1 or not attention_mask[:, :q].all() or (B - len(uniq)) * q * 4 < B * T:
+        return 0, model.model(input_ids=input_ids, attention_mask=attention_mask,
+                              **extra).last_hidden_state
+    sel = torch.nn.functional.one_hot(inv, len(uniq))    # [B, u]: a matmul, as its backward
+    if model.config._attn_implementation == "molt_eager" and (
+            attention_mask[:, :-1] >= attention_mask[:, 1:]).all():
+        ids = torch.cat([uniq.flatten(), input_ids[:, q:].flatten()])[None]
+        pos = torch.cat([torch.arange(q).repeat(len(uniq)), torch.arange(q, T).repeat(B)])
+        h = model.model(input_ids=ids, position_ids=pos[None].to(ids.device),
+                        molt_pack=(len(uniq), q, sel)).last_hidden_state
+        return q, h[0, len(uniq) * q:].view(B, T - q, -1)
     cache = DynamicCache(config=model.config)
     model.model(input_ids=uniq, past_key_values=cache, use_cache=True)
-    sel = torch.nn.functional.one_hot(inv, len(uniq))    # [B, u]: a matmul, as its backward
     for c in cache.layers:                                 # (indexing's was 4x slower on CPU)
         c.keys, c.values = ((sel.to(x.dtype) @ x.flatten(1)).view(B, *x.shape[1:])
                             for x in (c.keys, c.values))
-    return q, cache
+    return q, model.model(input_ids=input_ids[:, q:], attention_mask=attention_mask,
+                          past_key_values=cache, use_cache=True).last_hidden_state
