@@ -92,7 +92,7 @@ class PolicyWorker:
         if self.world_size == 1 and lora_rank and self.device.type == "cpu":
             # nothing to shard, the frozen base already in `dtype`, adapters and routers cast where
             # used (`lora`, `moe`): no FSDP2, whose per-layer hooks, all-gather copies and DTensor
-            # dispatch were ~15 % of a SmolLM2 LoRA step (same losses and grads bit for bit)
+            # dispatch were ~15 % of a SmolLM2 LoRA step (same losses and grad norms, A/B)
             return model
         offload = (CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
                    if self.cfg["optimizer_offload"] else OffloadPolicy())
