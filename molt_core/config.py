@@ -282,9 +282,7 @@ def to_dict(obj: Any) -> Any:
         return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, dict):
         return {k: to_dict(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [to_dict(v) for v in obj]
-    return obj
+    return [to_dict(v) for v in obj] if isinstance(obj, (list, tuple)) else obj
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

@@ -112,31 +112,44 @@ def test_embedded_run_is_step_for_step_the_ray_run(tiny_recipe: str, tmp_path: P
     assert on.keys() == off.keys() and all(on[k].equal(off[k]) for k in on)
 
 
-_OMP = """import os, sys
-from molt_core.run import cluster
-with cluster.prestart(sys.argv[1], []):
-    print(os.environ.get("OMP_WAIT_POLICY"), "torch" in sys.modules)
-if sys.argv[2] == "ray":        # the guess was wrong (a CUDA box): Ray starts after all
-    cluster._start_local(cluster.load_config(sys.argv[1], []))
-    print(os.environ.get("OMP_WAIT_POLICY"))
-    cluster._shutdown()
+_TEAMS = """import os, time, torch
+from molt_core.policy.handle import _InDriver
+from molt_core.run.actors import LocalActor, get
+
+class Work:
+    def __init__(self):
+        torch.set_num_threads(2)
+    def run(self):          # an op torch splits over its OpenMP team
+        torch.ones(4_000_000).mul_(2)
+        return tasks()
+
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+
+def settle(n):              # a released worker leaves the task list once it has exited
+    for _ in range(3000):
+        if tasks() == n:
+            break
+        time.sleep(0.01)
+    return tasks()
+
+torch.set_num_threads(2)
+base = tasks()
+actor = LocalActor(Work)
+during = get(actor.run.remote())
+print(base, during, settle(base + 1))
+print(base + 1, _InDriver(Work()).run.remote(), settle(base + 1))
 """
 
 
-@pytest.mark.parametrize("user", ["", "passive"])
-def test_prestart_sets_active_omp_wait_for_one_process_only(user: str, tiny_recipe: str) -> None:
-    """Embedded, engine and trainer are two OpenMP teams in one process: `prestart` sets
-    OMP_WAIT_POLICY=active before torch loads (docs/benchmarks.md, "Two teams"). A user's own
-    value stays; where Ray starts after all, its actors (a process each) do not inherit ours."""
-    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")         # short: unix socket paths
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    env.update({"RAY_TMPDIR": ray_tmp}, **({"OMP_WAIT_POLICY": user} if user else {}))
-    try:
-        proc = subprocess.run([sys.executable, "-c", _OMP, tiny_recipe, "" if user else "ray"],
-                              env=env, capture_output=True, text=True, timeout=300)
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+def test_each_thread_lets_its_openmp_team_go_when_its_work_is_done() -> None:
+    """Embedded, the engine (a `LocalActor`) and the trainer (`_InDriver`) compute on two threads
+    of one process: each lets its OpenMP worker exit once its calls are done, so the other phase
+    runs with one team (docs/benchmarks.md, "Two teams")."""
+    proc = subprocess.run([sys.executable, "-c", _TEAMS], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.split("\n")
-    assert lines[0] == f"{user or 'active'} False"
-    assert user or lines[1] == "None"
+    (base, during, after), (base2, during2, after2) = (
+        map(int, line.split()) for line in proc.stdout.split("\n")[:2])
+    assert during == base + 2 and after == base + 1     # the actor's thread stays, its worker goes
+    assert during2 == base2 + 1 and after2 == base2     # the driver's worker too

@@ -290,9 +290,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[tuple[str, str, Any]], bool]:
         calls.append((obj["name"], raw, args))
         first = m.start() if first is None else first
     malformed = text.count("<tool_call>") != len(calls)
-    if not calls:
-        return text, [], malformed
-    return text[:first].removesuffix("\n"), calls, malformed
+    return (text[:first].removesuffix("\n") if calls else text), calls, malformed
 
 
 def token_logprobs(r: Reply, tokens: list[str], top: int) -> list[dict]:

@@ -63,7 +63,13 @@ class _InDriver:
         self.worker = worker
 
     def __getattr__(self, name: str) -> Any:
-        return types.SimpleNamespace(remote=getattr(self.worker, name))
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            finally:                    # the engine's team runs next (`actors`)
+                actors.release_threads()
+        method = getattr(self.worker, name)
+        return types.SimpleNamespace(remote=call)
 
 
 class Policy:

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
+import ctypes
+import functools
 import inspect
+import sys
 import threading
 import types
 from typing import Any, Callable
 
-__all__ = ["LocalActor", "LocalRef", "get", "is_local", "wait"]
+__all__ = ["LocalActor", "LocalRef", "get", "is_local", "release_threads", "wait"]
 
 
 class LocalRef:
@@ -33,6 +37,7 @@ class LocalActor:
 
     def __init__(self, cls: type, *args: Any, name: str = "", **kwargs: Any) -> None:
         self._name, self._loop = name or cls.__name__, asyncio.new_event_loop()
+        self._busy = 0                      # calls in flight
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name=f"molt-{self._name}")
         self._thread.start()
@@ -44,8 +49,14 @@ class LocalActor:
 
     def _call(self, fn: Callable, args: tuple, kwargs: dict) -> cf.Future:
         async def run() -> Any:
-            out = fn(*args, **kwargs)
-            return await out if inspect.isawaitable(out) else out
+            self._busy += 1
+            try:
+                out = fn(*args, **kwargs)
+                return await out if inspect.isawaitable(out) else out
+            finally:                # the last call out lets its OpenMP team go
+                self._busy -= 1
+                if not self._busy:
+                    release_threads()
         return asyncio.run_coroutine_threadsafe(run(), self._loop)   # cancel: the task's too
 
     def __getattr__(self, name: str) -> Any:
@@ -68,6 +79,24 @@ class LocalActor:
         if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(stop(), self._loop)
             self._thread.join(timeout=30)
+
+
+def release_threads() -> None:
+    """This thread's OpenMP workers exit (its next parallel op starts them again, ~0.1 ms). The
+    engine's thread and the driver's trainer are two OpenMP teams: with more team threads than
+    cores libgomp spins a few turns per join, then every op waits for a sleeping thread; one
+    team alive at a time, sync mode runs as fast as alone (docs/benchmarks.md, "Two teams")."""
+    if "torch" in sys.modules and (lib := _openmp()):
+        lib.omp_pause_resource_all(1)           # omp_pause_soft: this thread's pool only
+
+
+@functools.cache
+def _openmp() -> Any:
+    """torch's OpenMP runtime (libgomp, libomp, libiomp5) where /proc lists it, else None."""
+    with contextlib.suppress(OSError):
+        libs = {ln.split()[-1] for ln in open("/proc/self/maps") if "omp" in ln.rsplit("/")[-1]}
+        return next((lib for lib in map(ctypes.CDLL, sorted(libs))
+                     if hasattr(lib, "omp_pause_resource_all")), None)
 
 
 def is_local(handles: list) -> bool:

@@ -28,7 +28,6 @@ __all__ = ["actor_options", "check_resources", "embedded", "engine_kwargs", "eng
 
 log = structlog.get_logger("molt.cluster")
 _early: dict[str, threading.Event] = {}     # "up": set once prestart's ray.init has returned
-_omp_set: list[bool] = []                   # [True]: prestart set OMP_WAIT_POLICY (embedded)
 _reapers: list[subprocess.Popen] = []       # one per local Ray this process started
 _starts = [0]                               # `start`s in this process (engine names)
 # Once the driver is gone (its end of the pipe closed: exit, or kill -9), whatever of its Ray
@@ -55,10 +54,8 @@ def prestart(recipe: str, overrides: list[str]) -> Iterator[None]:
     cfg = None
     with suppress(ConfigError):
         cfg = load_config(recipe, overrides)
-    if cfg and "torch" not in sys.modules and embedded(cfg, trainer=True, cuda=False):
-        _omp_set[:] = [] if "OMP_WAIT_POLICY" in os.environ else [True]
-        os.environ.setdefault("OMP_WAIT_POLICY", "active")    # docs/benchmarks.md, "Two teams"
-    elif cfg and not (cfg.ray.address or ray.is_initialized() or _early or "torch" in sys.modules):
+    if cfg and not (cfg.ray.address or ray.is_initialized() or _early or "torch" in sys.modules
+                    or embedded(cfg, trainer=True, cuda=False)):
         _early["up"] = threading.Event()
         threading.Thread(target=_start_local, args=(cfg, _early["up"]), daemon=True).start()
     try:
@@ -99,8 +96,6 @@ def init_ray(cfg: Config) -> bool:
 def _start_local(cfg: Config, up: threading.Event | None = None) -> None:
     # inherited by the workers: unlike a runtime_env, leaves those started ahead usable (~1 s)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    if _omp_set:        # prestart guessed one process (CUDA unknown): Ray's actors keep the default
-        del os.environ["OMP_WAIT_POLICY"], _omp_set[:]
     os.environ.setdefault("RAY_worker_niceness", "0")   # Ray's default 15 starves the actors
     os.environ.setdefault("RAY_TMPDIR", os.path.join(tempfile.gettempdir(), "molt-ray"))
     os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)

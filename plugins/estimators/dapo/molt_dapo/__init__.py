@@ -51,9 +51,7 @@ def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
     """DAPO's soft overlong punishment r_len(L) in [-1, 0] (eq. 13 of the paper)."""
     if length <= max_length - buffer:
         return 0.0
-    if length <= max_length:
-        return (max_length - buffer - length) / buffer
-    return -1.0
+    return (max_length - buffer - length) / buffer if length <= max_length else -1.0
 
 
 def response_length(traj: Trajectory) -> int:

@@ -372,9 +372,7 @@ def _reason(rc: int, timed_out: bool, stderr: str, memory_hit: bool, status: str
         return "cpu_time_limit" if rc == -signal.SIGXCPU else "killed_by_signal"
     if rc == -signal.SIGXFSZ or "File too large" in stderr:
         return "output_limit"
-    if rc < 0:
-        return "killed_by_signal"
-    return "failed"
+    return "killed_by_signal" if rc < 0 else "failed"
 
 
 @hookimpl
