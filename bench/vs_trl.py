@@ -169,6 +169,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -257,6 +258,18 @@ def bounds(threads: list[int], reps: int = 8) -> dict:
         out[f"read {n}t GB/s"] = x.numel() * 4 / best / 1e9
     torch.set_num_threads(before)
     return out
+
+
+def beside(run: Callable[[], dict]) -> dict:
+    """`run()`'s result with `bf16_beside`: per thread count, the mean of the bf16 matmul bound
+    taken just before and just after it (the host's speed drifts by 15 % within minutes)."""
+    threads = sorted({1, os.cpu_count() or 1})
+    before = bounds(threads)
+    out = run()
+    after = bounds(threads)
+    key = "matmul bfloat16 {}t GFLOP/s"
+    return {**out, "bf16_beside": {t: (before[key.format(t)] + after[key.format(t)]) / 2
+                                   for t in threads}}
 
 
 def _timed(fn) -> float:
@@ -560,14 +573,19 @@ def main() -> None:
     box = bounds(sorted({1, os.cpu_count() or 1}))
     with tempfile.TemporaryDirectory() as tmp:
         spec = trl_spec(cfg, plugins, w["reward"], args.threads, tmp + "/trl")
-        results["trl"] = launch(args.trl_python, "trl", spec, Path(tmp))
+        results["trl"] = beside(lambda: launch(args.trl_python, "trl", spec, Path(tmp)))
         for scheme in (args.schemes or w["schemes"]).split(","):
             spec = {"recipe": w["recipe"], "overrides": common + scheme_args[scheme]}
-            results[f"molt {scheme}"] = launch(sys.executable, "molt", spec, Path(tmp))
+            results[f"molt {scheme}"] = beside(
+                lambda: launch(sys.executable, "molt", spec, Path(tmp)))
     n = param_count(str(ROOT / w["model"]))
     decode_bytes = n * (2 if cfg.model.dtype == "bfloat16" else 4) * cfg.sampling.max_new_tokens
     rows = {k: summary(v, args.warmup, args.window, levels, acc_levels, tokens, 6.0 * n,
                        decode_bytes) for k, v in results.items()}
+    for k, v in results.items():    # the trainer against the bf16 bound taken beside its run
+        for t, b in v["bf16_beside"].items():
+            rows[k][f"trainer / bf16 {t}t bound beside"] = (
+                rows[k]["trainer GFLOP/s (trained tokens)"] / b)
     load_avg = os.getloadavg()
     print(f"\n{args.workload}: {r.groups_per_step}x{r.group_size} samples, "
           f"{cfg.sampling.max_new_tokens} new tokens, lr {cfg.trainer.lr:g}, lora rank "
