@@ -19,8 +19,8 @@ def moe_gates(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The router modules of the model's MoE blocks, in layer order (empty for dense models)."""
     gates = []
     for m in model.modules():
-        gate = getattr(m, "gate", None)
-        if (isinstance(gate, torch.nn.Module) and hasattr(m, "experts")
+        gate = m._modules.get("gate")      # not getattr: ~2,500 misses were 5 ms a forward
+        if (gate is not None and hasattr(m, "experts")
                 and hasattr(gate, "top_k") and hasattr(gate, "weight")):
             gates.append(gate)
     return gates
