@@ -5,7 +5,9 @@ venv-trl`, since it pins its own stack): start-up, per-step time, generation tim
 its share, sampled tokens/s, peak RSS, and wall time from process launch (held-out evaluations
 excluded) until the mean reward of the last `--window` steps, or the held-out greedy accuracy,
 first reaches each level. Printed as Molt/TRL ratios (< 1: Molt is faster). Numbers, not
-pass/fail; the box load is printed with them.
+pass/fail; the box load is printed with them. The trainer's GFLOP/s on trained tokens is also
+printed against the bf16 matmul bound taken beside each side's run (`beside`), per thread count:
+read the row of the trainer's threads (Molt sync: all cores; async: one).
 
 Both sides read one config: the workload's Molt recipe plus the command line's `key=value`
 overrides (lr, steps, geometry, LoRA, eval). The prompts are made once, in Molt's venv, by the
