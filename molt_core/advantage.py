@@ -93,8 +93,7 @@ def training_batch(trajs: list[Trajectory], estimator: Callable, alg: AlgorithmC
         0, traj_of, mask.sum(-1))[traj_of][:, None]
     extra = {k: Rollouts.of(trajs) for k in opt_in(estimator, rollouts=None)}
     metrics: dict[str, float] = {}
-    kl = torch.zeros(mask.shape)
-    terms = alg.terms
+    kl, terms = torch.zeros(mask.shape), alg.terms
     if terms.kl_coef > 0 and terms.kl_in == "reward":
         ref = policy.ref_logprobs(batch, temperature)
         kl = kl_estimate(batch["behavior_logprobs"], ref, terms.kl_estimator) * mask

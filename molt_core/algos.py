@@ -63,8 +63,7 @@ def group_stats(values: torch.Tensor, group_index: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-element group mean, unbiased std (0 for groups of one) and group size. [R] -> 3x[R]."""
     _, inv, counts = torch.unique(group_index, return_inverse=True, return_counts=True)
-    G = counts.numel()
-    v = values.to(torch.float64)
+    G, v = counts.numel(), values.to(torch.float64)
     mean = torch.zeros(G, dtype=v.dtype).index_add_(0, inv, v) / counts
     sq = torch.zeros(G, dtype=v.dtype).index_add_(0, inv, (v - mean[inv]) ** 2)
     std = torch.where(counts > 1, (sq / (counts - 1).clamp(min=1)).sqrt(), torch.zeros_like(sq))
@@ -216,6 +215,5 @@ def is_correction(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask:
         geo = (rollout_sum(log_w.sum(-1, keepdim=True), rollout_index) / n).exp()   # [B, 1]
         weight = ((geo >= th["low"]) & (geo <= th["high"])).to(w.dtype).expand_as(w)
     weight = torch.where(m, weight, zero)
-    filtered = m & (weight == 0)
-    return weight, {"is_filtered_fraction": filtered.float(),
+    return weight, {"is_filtered_fraction": (m & (weight == 0)).float(),
                     "is_truncated_fraction": (truncated & m).float(), "is_weight": weight}

@@ -257,9 +257,8 @@ def from_dict(cls: type, data: Any, where: str = "") -> Any:
         path = f"{where}.{key}" if where else str(key)
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f". Did you mean '{close[0]}'?" if close else ""
             raise ConfigError(f"unknown config key '{path}'; valid keys here: {', '.join(names)}"
-                              + hint)
+                              + (f". Did you mean '{close[0]}'?" if close else ""))
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = from_dict(tp, value if value is not None else {}, path)
@@ -331,8 +330,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (),
     """Load a recipe, apply overrides, build typed sections (core + plugin) and validate."""
     data: dict = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
+        if not (p := Path(path)).is_file():
             raise ConfigError(f"recipe '{path}' does not exist")
         try:
             data = safe_load(p.read_text()) or {}

@@ -157,9 +157,8 @@ class MessageEncoder:
     def __call__(self, text: str, messages: Sequence[dict]) -> tuple[list[int], list[ImageInput]]:
         if not (images := images_of(messages)):
             return self.tok(text, add_special_tokens=False).input_ids, []
-        if self._images is None:
-            path = self.tok.name_or_path if self.path is None else self.path
-            self._images = ImageEncoder(path, self.tok)
+        self._images = self._images or ImageEncoder(
+            self.tok.name_or_path if self.path is None else self.path, self.tok)
         return self._images.encode(text, images)
 
 

@@ -126,8 +126,7 @@ class Plugins:
             raise ConfigError(f"{where}: {what} needs {', '.join(missing)}")
 
     def hooks_of(self, name: str) -> list[str]:
-        plugin = self.pm.get_plugin(name)
-        return sorted(c.name for c in self.pm.get_hookcallers(plugin) or [])
+        return sorted(c.name for c in self.pm.get_hookcallers(self.pm.get_plugin(name)) or [])
 
 
 def _entry_points() -> dict[str, md.EntryPoint]:

@@ -169,8 +169,7 @@ def check_consistency(cfg: Config, step: int, metrics: dict[str, Any],
     """Invariant 3: on on-policy tokens the trainer must reproduce the engine's log-probs. With
     none in the batch (async/partial: no token came from the weights just trained), `probe()`
     measures it on fresh on-policy tokens of the weights just pushed."""
-    every = cfg.check.consistency_every
-    if not every or step % every:
+    if not (every := cfg.check.consistency_every) or step % every:
         return
     if probe is not None and not metrics.get("mismatch/on_policy_fraction"):
         metrics["mismatch/max_abs"] = probe()

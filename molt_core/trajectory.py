@@ -114,8 +114,7 @@ class Trajectory:
         self.loss_mask += [True] * len(c.token_ids)
         self.logprobs += c.logprobs
         self.versions += c.versions
-        if c.finish_reason == "length":
-            self.truncated = True
+        self.truncated = self.truncated or c.finish_reason == "length"
 
     @property
     def num_trainable(self) -> int:
@@ -138,16 +137,12 @@ class Trajectory:
         if not any(self.segments):
             return [self]
         bounds = sorted(set(self.segments) | {0}) + [len(self)]
-        out = []
-        for a, b in zip(bounds, bounds[1:]):
-            if a == b:
-                continue
-            out.append(Trajectory(self.group_id, self.rollout_id, self.token_ids[a:b],
-                                  self.loss_mask[a:b], self.logprobs[a:b], self.versions[a:b],
-                                  [0], self.reward, self.turn_rewards, self.truncated, self.info,
-                                  None if self.routed_experts is None else self.routed_experts[a:b],
-                                  [im.shifted(-a) for im in self.images if a <= im.start < b]))
-        return out
+        return [Trajectory(self.group_id, self.rollout_id, self.token_ids[a:b], self.loss_mask[a:b],
+                           self.logprobs[a:b], self.versions[a:b], [0], self.reward,
+                           self.turn_rewards, self.truncated, self.info,
+                           None if self.routed_experts is None else self.routed_experts[a:b],
+                           [im.shifted(-a) for im in self.images if a <= im.start < b])
+                for a, b in zip(bounds, bounds[1:]) if a != b]
 
     def check(self, vocab_size: int | None = None) -> None:
         """Raise `InvariantError` naming the first violated invariant."""

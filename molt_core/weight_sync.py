@@ -194,9 +194,8 @@ class WeightGroup:
                  timeout_s: float, store: Any = None) -> None:
         self.rank, self.backend, self.timeout_s = rank, backend, timeout_s
         timeout = timedelta(seconds=timeout_s)
-        if store is None:
-            store = dist.TCPStore(host, port, world_size, False, timeout=timeout)
-        store = dist.PrefixStore("molt-weight-sync", store)
+        store = dist.PrefixStore("molt-weight-sync", store if store is not None else
+                                 dist.TCPStore(host, port, world_size, False, timeout=timeout))
         if backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = timeout

@@ -215,11 +215,10 @@ def anthropic_messages(body: dict, raw_args: dict[str, str]) -> tuple[list[dict]
         elif text or not results:
             out.append({"role": "user", "content": _content(
                 [{"type": "text", "text": t} if isinstance(t, str) else t for t in text], w)})
-    tools = []
-    for i, t in enumerate(_want(body.get("tools") or [], list, "tools")):
-        tools.append({"type": "function", "function": {
-            "name": _want(_want(t, dict, f"tools[{i}]").get("name"), str, f"tools[{i}].name"),
-            "description": t.get("description", ""), "parameters": t.get("input_schema", {})}})
+    tools = [{"type": "function", "function": {
+        "name": _want(_want(t, dict, f"tools[{i}]").get("name"), str, f"tools[{i}].name"),
+        "description": t.get("description", ""), "parameters": t.get("input_schema", {})}}
+        for i, t in enumerate(_want(body.get("tools") or [], list, "tools"))]
     return out, tools or None
 
 

@@ -353,8 +353,7 @@ class ChatServer:
         if not token:
             raise RequestError(401, "missing credentials: send 'Authorization: Bearer <api_key>' "
                                     "or 'x-api-key: <api_key>' with the session's api_key")
-        s = self.sessions.get(sid)
-        if s is None:
+        if (s := self.sessions.get(sid)) is None:
             raise RequestError(404, f"unknown chat session '{sid}' (closed, or never opened)")
         if not hmac.compare_digest(token.encode(), s.api_key.encode()):
             raise RequestError(401, "invalid api_key for this session")
@@ -445,9 +444,8 @@ class ChatServer:
                 except Exception as e:     # one logged traceback and a clean 500, never ASGI noise
                     _log.exception("chat server: %s request failed", api)
                     return error(api, RequestError(500, f"internal error: {e!r}"))
-                if stream:
-                    return StreamingResponse(sse_events(api, resp), media_type="text/event-stream")
-                return JSONResponse(resp)
+                return (StreamingResponse(sse_events(api, resp), media_type="text/event-stream")
+                        if stream else JSONResponse(resp))
             return post
 
         for path, api in (("chat/completions", "openai"), ("responses", "responses"),
@@ -474,15 +472,12 @@ _servers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 async def shared_server() -> ChatServer:
     """The running loop's server, created and started on first use."""
     loop = asyncio.get_running_loop()
-    server = _servers.get(loop)
-    if server is None:
-        server = _servers[loop] = ChatServer()
+    server = _servers[loop] = _servers.get(loop) or ChatServer()
     await server.start()
     return server
 
 
 async def shutdown_shared() -> None:
     """Close the running loop's shared server, if one was started (the chat agent's `aclose`)."""
-    server = _servers.pop(asyncio.get_running_loop(), None)
-    if server is not None:
+    if (server := _servers.pop(asyncio.get_running_loop(), None)) is not None:
         await server.close()

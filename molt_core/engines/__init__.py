@@ -15,8 +15,7 @@ SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
 def check_sampling(sampling: dict) -> tuple[dict, list[int] | None]:
     """Split `sampling` into the six explicit knobs and the optional stop_token_ids; raise on a
     missing or unknown knob (a silently defaulted knob changes the behavior policy)."""
-    sampling = dict(sampling)
-    stop = sampling.pop("stop_token_ids", None)
+    stop = (sampling := dict(sampling)).pop("stop_token_ids", None)
     missing = [k for k in SAMPLING_KEYS if k not in sampling]
     unknown = [k for k in sampling if k not in SAMPLING_KEYS]
     if missing or unknown:

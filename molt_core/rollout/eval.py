@@ -20,16 +20,13 @@ GREEDY = {"temperature": 1.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0}
 
 
 def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
+    return base | {k: _merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict)
+                   else v for k, v in over.items()}
 
 
 def eval_due(cfg: Config, step: int) -> bool:
     """Before step `step` (0 too) every `eval.every` steps, and at `step == trainer.steps` (end)."""
-    every = cfg.eval.every
-    return bool(every) and (step % every == 0 or step == cfg.trainer.steps)
+    return bool(every := cfg.eval.every) and (step % every == 0 or step == cfg.trainer.steps)
 
 
 def eval_agent(cfg: Config, plugins: Any, tokenizer: Any) -> Any:

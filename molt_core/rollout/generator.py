@@ -162,8 +162,7 @@ class Generator:
         is, then goes on under it (j < lag: at once, under version 0)."""
         async def go() -> None:
             self._pool_cap, self._lag, self._chain_n = groups * (lag + 1), lag, groups
-            self._split = split
-            self._changed = self._changed or asyncio.Event()
+            self._split, self._changed = split, self._changed or asyncio.Event()
             self._advance(version)
         self.submit(go()).result()
 
@@ -378,9 +377,8 @@ class Generator:
     def close(self) -> None:
         """Cancel the running groups, let the agent release what it holds on this loop (its
         `aclose()`, if it has one: the chat agent's server), stop the loop."""
-        closing = [self._cancel_all()] if self._inflight or self._running else []
-        if hasattr(self.agent, "aclose"):
-            closing.append(self.agent.aclose())
+        closing = ([self._cancel_all()] if self._inflight or self._running else []) + (
+            [self.agent.aclose()] if hasattr(self.agent, "aclose") else [])
         for coro in closing:
             with contextlib.suppress(Exception):  # closing anyway
                 self.submit(coro).result(timeout=5)
@@ -418,8 +416,7 @@ def version_lag_metrics(trajs: list[Trajectory], version: int) -> dict[str, floa
     lags = {version - v: c for v, c in Counter(itertools.chain.from_iterable(trained)).items()}
     if not (n := sum(lags.values())):
         return {}
-    multi = sum(len(set(vs)) > 1 for vs in trained)
-    out = {"rollout/version_lag_mean": sum(k * c for k, c in lags.items()) / n,
-           "rollout/version_lag_max": float(max(lags)), "rollout/multi_version": multi / len(trajs)}
-    out.update({f"rollout/version_lag/{k}": c / n for k, c in sorted(lags.items())})
-    return out
+    return {"rollout/version_lag_mean": sum(k * c for k, c in lags.items()) / n,
+            "rollout/version_lag_max": float(max(lags)),
+            "rollout/multi_version": sum(len(set(vs)) > 1 for vs in trained) / len(trajs),
+            **{f"rollout/version_lag/{k}": c / n for k, c in sorted(lags.items())}}

@@ -103,8 +103,7 @@ class EngineRestarts:
                 token_ids=ids, loss_mask=[False] + [True] * len(s), logprobs=[0.0] + s,
                 versions=[-1] + [version] * len(s)) for s in scores], version, 1.0)
             self.gen.counters["check/canary_max_abs"] = float(gaps.max())
-            bad = [i for i, g in enumerate(gaps.tolist()) if not g <= tol]     # NaN fails too
-            if not bad:
+            if not (bad := [i for i, g in enumerate(gaps.tolist()) if not g <= tol]):  # NaN fails
                 return
             if attempt == 0:
                 log.warning("weight_sync_canary_mismatch", engines=bad, gap=float(gaps.max()))

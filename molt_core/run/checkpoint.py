@@ -81,8 +81,7 @@ def resolve(path: str | Path) -> Path:
     p = Path(path)
     if (p / "driver.pt").is_file():
         return p
-    found = latest(p) if p.is_dir() else None
-    if found is None:
+    if (found := latest(p) if p.is_dir() else None) is None:
         raise CheckpointError(f"'{path}' is neither a checkpoint (no driver.pt) nor a run "
                               "directory with one under checkpoints/ (runs save every "
                               "trainer.save_every steps and at the end)")
@@ -158,10 +157,9 @@ class Checkpointer:
         for impl in self.plugins.hook.molt_load_state_dict.get_hookimpls():
             if impl.plugin_name in saved:
                 impl.function(state=saved[impl.plugin_name])
-        metrics = self.run_dir / "metrics.jsonl" if self.run_dir else None
-        if metrics is not None and metrics.exists():   # rows past the checkpoint are redone
+        if self.run_dir and (metrics := self.run_dir / "metrics.jsonl").exists():
             with metrics.open("r+b") as f:
-                f.truncate(state["metrics_bytes"])
+                f.truncate(state["metrics_bytes"])     # rows past the checkpoint are redone
         set_rng_state(state["rng"])
         return state["step"], self.version
 
@@ -293,8 +291,7 @@ def export_hf(state_dict: dict[str, torch.Tensor], model_dir: str | Path, out: s
 
 
 def _run_config(run_dir: str | Path) -> dict:
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
+    if not (path := Path(run_dir) / "config.yaml").is_file():
         raise CheckpointError(f"--resume {run_dir}: not a run directory (no config.yaml)")
     return yaml.safe_load(path.read_text())
 

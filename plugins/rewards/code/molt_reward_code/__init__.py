@@ -187,8 +187,7 @@ except BaseException as e:
 
 def extract_code(response: str) -> str:
     """The last fenced code block (```python ... ```), or the whole response if there is none."""
-    blocks = _FENCE.findall(response)
-    return blocks[-1] if blocks else response
+    return blocks[-1] if (blocks := _FENCE.findall(response)) else response
 
 
 def _works(cmd: list[str]) -> bool:
@@ -259,8 +258,7 @@ def code_reward(response: str, answer: str, *, timeout_s: float = 5.0, memory_mb
     """1.0 if `extract_code(response)` runs in the sandbox and then the judge runs every statement
     of `answer` (test code, e.g. asserts); else 0.0 with `info["reason"]` (the reasons and limits:
     docs/environments.md, "The code sandbox")."""
-    code = extract_code(response)
-    if not code.strip():
+    if not (code := extract_code(response)).strip():
         return 0.0, {"reason": "no_code"}
     layers = set(isolation()) - (set() if isolate_network else {"net_ns"})
     python = os.path.realpath(sys.executable)
