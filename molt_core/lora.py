@@ -83,7 +83,8 @@ class _Merged(torch.autograd.Function):
         a, b = a0.to(g.dtype), b0.to(g.dtype)      # fp32 masters where no FSDP2 casts them
         ga, gb = (g2 @ b).T @ x2 * ctx.s, g2.T @ (x2 @ a.T) * ctx.s
         merged = _merge(w, a, b, ctx.s, g.dtype) if kept is None else kept
-        return g @ merged, None, None, ga.to(a0.dtype), gb.to(b0.dtype), None, None
+        return (g @ merged if ctx.needs_input_grad[0] else None, None, None, ga.to(a0.dtype),
+                gb.to(b0.dtype), None, None)     # x: frozen embeddings' in layer 0
 
 
 def _merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float, dtype: torch.dtype
