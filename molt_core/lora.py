@@ -82,9 +82,10 @@ class _Merged(torch.autograd.Function):
         g2, x2 = g.flatten(0, -2), x.flatten(0, -2)
         a, b = a0.to(g.dtype), b0.to(g.dtype)      # fp32 masters where no FSDP2 casts them
         ga, gb = (g2 @ b).T @ x2 * ctx.s, g2.T @ (x2 @ a.T) * ctx.s
-        merged = _merge(w, a, b, ctx.s, g.dtype) if kept is None else kept
-        return (g @ merged if ctx.needs_input_grad[0] else None, None, None, ga.to(a0.dtype),
-                gb.to(b0.dtype), None, None)     # x: frozen embeddings' in layer 0
+        gx = None                       # layer 0's x (the frozen embeddings') needs none
+        if ctx.needs_input_grad[0]:
+            gx = g @ (_merge(w, a, b, ctx.s, g.dtype) if kept is None else kept)
+        return gx, None, None, ga.to(a0.dtype), gb.to(b0.dtype), None, None
 
 
 def _merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float, dtype: torch.dtype
