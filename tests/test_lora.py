@@ -121,12 +121,16 @@ def test_one_rank_keeps_merges_no_longer_than_a_step(ray_local, tiny_model_dir):
 
 def test_one_cpu_rank_runs_lora_without_fsdp_as_two_fsdp_ranks_do(ray_local, tiny_model_dir):
     """LoRA on one CPU rank is a plain module (no FSDP2: the bf16 base needs no sharding or
-    casts; `lora` casts the fp32 adapters, their grads come back fp32): two bf16 steps give the
-    losses, grad norms and adapters that two FSDP2 ranks give on the same rows."""
+    casts; `lora` casts the fp32 adapters, their grads come back fp32): a bf16 step gives the
+    loss, grad norm, adapters and log-probs that two FSDP2 ranks give on the same rows."""
     from torch.distributed.fsdp import FSDPModule
     path = str(tiny_model_dir)
     engine = ray.remote(HFEngine).options(num_cpus=0).remote(path, seed=3)
-    _, batch = sample_batch(engine, AutoTokenizer.from_pretrained(path))
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = [tok(f"after {c}", add_special_tokens=False).input_ids for c in "abcdefgh"]
+    adv = torch.randn(8, generator=torch.Generator().manual_seed(0))
+    batch = sample(engine, prompts, SAMPLING, adv)[2]
+    ray.kill(engine)
     runs = []
     for n in (1, 2):
         cfg = dataclasses.replace(TrainerConfig(), num_ranks=n, lr=1e-2,
@@ -138,22 +142,31 @@ def test_one_cpu_rank_runs_lora_without_fsdp_as_two_fsdp_ranks_do(ray_local, tin
                 assert not any(isinstance(m, FSDPModule) for m in model.modules())
                 assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
             before = policy.logprobs(batch)
-            metrics = [policy.train(batch, TrainStep(ppo_clip_loss, {}, "token-mean", 1.0))
-                       for _ in range(2)]
-            runs.append((metrics, before, policy.logprobs(batch)))
+            spec = TrainStep(ppo_clip_loss, {}, "token-mean", 1.0)
+            metrics = policy.train(batch, spec)
+            after = policy.logprobs(batch), policy.full_params(adapter=True)
+            runs.append((metrics, before, *after, policy.train(batch, spec)["loss"]))
         finally:
             policy.shutdown()
-    ray.kill(engine)
-    (one, b1, lp1), (two, b2, lp2) = runs
-    # Step 1 from the same weights: within 0.03 % over 20 batches. Adam's first update is
-    # ~lr * sign(g), so gradient entries at bf16 noise level flip theirs: step 2's grad norm
-    # measured up to 3.7 % apart (the losses 0.05 %).
-    for m1, m2, rel in zip(one, two, (1e-2, 0.1)):
-        assert m1["grad_norm"] > 0 and m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=rel)
-        assert m1["loss"] == pytest.approx(m2["loss"], rel=2e-2, abs=1e-3)
+    (m1, b1, lp1, ad1, loss1), (m2, b2, lp2, ad2, loss2) = runs
+    assert m1["grad_norm"] > 0 and m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-2)
+    assert m1["loss"] == pytest.approx(m2["loss"], rel=2e-2, abs=1e-3)
+    assert loss1 == pytest.approx(loss2, rel=2e-2, abs=1e-3)     # step 2's forward: B != 0
+    assert torch.equal(b1, b2)
+    # Adam's first update is lr * sign(g): B moved +-lr nearly everywhere in both, and the few
+    # entries whose gradient is at bf16 noise may land elsewhere (measured: none apart by 1e-2
+    # in 40 batches, up to 3 of 4096 by 5e-3). A second step is no test: A's first update is
+    # lr * sign(g) of a gradient through B's +-lr entries that mostly cancel, so those few
+    # entries flip ~10 % of A's (measured, 3 batches of 48: grad norms 4-11 % apart, log-probs
+    # apart up to 0.47x what they moved; the batch varies as the engine batches requests); its
+    # loss, before its update, is step 1's outcome (0.02 % apart in the one checked).
+    b_keys = [k for k in ad1 if ".lora_B." in k]
+    moved_b = torch.cat([ad1[k].flatten() for k in b_keys]).abs()
+    flipped = torch.cat([(ad1[k] - ad2[k]).flatten() for k in b_keys]).abs() > 5e-3
+    assert (moved_b > 0.5e-2).float().mean() > 0.99 and flipped.sum() <= 8, flipped.sum()
     mask = batch["loss_mask"]
-    moved, apart = (lp1 - b1).abs()[mask].max(), (lp1 - lp2).abs()[mask].max()
-    assert apart < 0.1 * moved          # the same update, up to bf16 and Adam's noise
+    moved, apart = (lp1 - b1).abs()[mask], (lp1 - lp2).abs()[mask]
+    assert apart.mean() < 0.1 * moved.mean() and apart.max() < 0.2 * moved.max()
 
 
 def test_lora_dropout_never_noises_trainer_logprobs(ray_local, tiny_model_dir):
