@@ -91,3 +91,16 @@ def test_engine_busy_time_counts_generation_the_driver_did_not_wait_for():
 
     first, second = asyncio.run(main())
     assert first >= (0.3 + 0.3 + 0.3) / 2 and second == 0.0    # mean over the two engines
+
+
+def test_trainer_peak_memory_is_the_ranks_own_not_a_forking_parents():
+    """`memory/trainer_peak_gib` on CPU is this process's high-water RSS: a rank started by a
+    large process (a bench, a notebook) reports its own, not the parent's kept across exec."""
+    import subprocess
+    held = bytearray(1536 * 2**20)
+    held[::4096] = b"\1" * (len(held) // 4096)          # touched: resident in this process
+    code = "from molt_core.policy.worker import _peak_gib; print(_peak_gib())"
+    child = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                 check=True, timeout=120).stdout)
+    assert 0.05 < child < 1.0, child             # torch imported: ~0.3 GiB; the parent: > 1.5
+    del held
