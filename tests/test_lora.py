@@ -29,7 +29,8 @@ SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
 
 def sample_batch(engine, tok, n: int = 8):
     prompts = [tok(f"after {c}", add_special_tokens=False).input_ids for c in "abcdefgh"[:n]]
-    return sample(engine, prompts, SAMPLING, torch.randn(n))[1:]
+    adv = torch.randn(n, generator=torch.Generator().manual_seed(0))    # the same every run
+    return sample(engine, prompts, SAMPLING, adv)[1:]
 
 
 def _optimizer_state(worker) -> tuple[int, int]:
@@ -126,10 +127,7 @@ def test_one_cpu_rank_runs_lora_without_fsdp_as_two_fsdp_ranks_do(ray_local, tin
     from torch.distributed.fsdp import FSDPModule
     path = str(tiny_model_dir)
     engine = ray.remote(HFEngine).options(num_cpus=0).remote(path, seed=3)
-    tok = AutoTokenizer.from_pretrained(path)
-    prompts = [tok(f"after {c}", add_special_tokens=False).input_ids for c in "abcdefgh"]
-    adv = torch.randn(8, generator=torch.Generator().manual_seed(0))
-    batch = sample(engine, prompts, SAMPLING, adv)[2]
+    _, batch = sample_batch(engine, AutoTokenizer.from_pretrained(path))
     ray.kill(engine)
     runs = []
     for n in (1, 2):

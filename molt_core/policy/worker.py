@@ -346,8 +346,8 @@ def _peak_gib() -> float:
         torch.cuda.reset_peak_memory_stats()
         return peak / 2**30
     try:    # VmHWM, not ru_maxrss: that keeps the peak of a parent that forked this process
-        return next(int(ln.split()[1]) for ln in open("/proc/self/status")
-                    if ln.startswith("VmHWM:")) / 2**20                  # KiB
+        return next(int(ln.split()[1]) for ln in Path("/proc/self/status").read_text(
+            ).splitlines() if ln.startswith("VmHWM:")) / 2**20          # KiB
     except (OSError, StopIteration):
         import resource
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
