@@ -280,10 +280,8 @@ def code_reward(response: str, answer: str, *, timeout_s: float = 5.0, memory_mb
         setup = {"work": str(d), "mounts": "mount_ns" in layers, "hide": hide, "keep": keep,
                  "reaper": "pid_ns" in layers, "rlimits": rlimits, "uid": uid, "python": python}
         t0 = time.perf_counter()
-        rc, timed_out, memory_hit, verdict = _launch(d, setup, answer, layers, timeout_s,
-                                                     memory_mb, max_processes)
-        stdout = (d / "stdout").read_bytes()[-4096:].decode(errors="replace")
-        stderr = (d / "stderr").read_bytes()[-4096:].decode(errors="replace")
+        rc, timed_out, memory_hit, verdict, stdout, stderr = _launch(
+            d, setup, answer, layers, timeout_s, memory_mb, max_processes)
     passed = next(i for i, line in enumerate(verdict.split("\n") + [""]) if line != "ok")
     status, _, failure = verdict.split("\n", passed)[-1].strip().partition(" ")
     info = {"returncode": rc, "seconds": round(time.perf_counter() - t0, 3), "stdout": stdout,
@@ -297,10 +295,11 @@ def code_reward(response: str, answer: str, *, timeout_s: float = 5.0, memory_mb
 
 
 def _launch(d: Path, setup: dict, tests: str, layers: set[str], timeout_s: float,
-            memory_mb: int, max_processes: int) -> tuple[int, bool, bool, str]:
+            memory_mb: int, max_processes: int) -> tuple[int, bool, bool, str, str, str]:
     """Run the program in `d` under `setup`, in the namespaces and cgroups `layers` allows
     (cgroups that cannot be made are dropped from `layers`), and the judge of `tests` beside it:
-    (the program's exit code, timed out, memory limit hit, the judge's verdict lines)."""
+    (the program's exit code, timed out, memory limit hit, the judge's verdict lines, the last
+    4 KB of its stdout and stderr)."""
     (req_r, req_w), (resp_r, resp_w) = os.pipe(), os.pipe()
     python, user = setup["python"], [] if os.geteuid() == 0 else ["-r"]
     argv = [python, "-I", "-c", _SETUP, json.dumps({**setup, "fds": [str(req_r), str(resp_w)]})]
@@ -318,7 +317,8 @@ def _launch(d: Path, setup: dict, tests: str, layers: set[str], timeout_s: float
     launch = {"cgroups": [str(c) for c in cgroups.dirs] if cgroups else [], "argv": argv}
     env = {"PATH": os.defpath, "PYTHONHASHSEED": "0"}
     try:
-        with open(d / "stdout", "wb") as out, open(d / "stderr", "wb") as err, \
+        # unnamed files outside `d`: the host never opens a path the program can swap for a link
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
                 tempfile.TemporaryFile() as test_file, tempfile.TemporaryFile("w+") as verdict:
             test_file.write(tests.encode())
             test_file.seek(0)
@@ -344,13 +344,16 @@ def _launch(d: Path, setup: dict, tests: str, layers: set[str], timeout_s: float
             rc = [proc.wait() for proc in procs][1]
             verdict.seek(0)
             lines = verdict.read()
+            for f in (out, err):
+                f.seek(0)
+            outputs = [f.read()[-4096:].decode(errors="replace") for f in (out, err)]
         if "pid_ns" in layers and rc > 128:        # the reaper's 128 + signal
             rc = 128 - rc
         memory_hit = cgroups is not None and cgroups.memory_hit()
     finally:
         if cgroups is not None:
             cgroups.close()
-    return rc, timed_out, memory_hit, lines
+    return rc, timed_out, memory_hit, lines, *outputs
 
 
 def _reason(rc: int, timed_out: bool, stderr: str, memory_hit: bool, status: str) -> str:

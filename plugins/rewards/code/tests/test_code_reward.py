@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import resource
 import secrets
@@ -142,6 +143,23 @@ def test_files_outside_the_work_dir_are_out_of_reach(tmp_path):
         assert reward == 1.0, info
     finally:
         secret.unlink()
+
+
+@pytest.mark.skipif("own_uid" not in isolation(),
+                    reason="needs a fresh uid (root); else the program reads what the caller can")
+def test_outputs_swapped_for_links_do_not_read_host_files(tmp_path):
+    """Issue 41: stdout and stderr come back through the host's own descriptors, not their paths
+    in the work dir, which the program can replace with links to a file only the caller reads."""
+    secret = tmp_path / "secret"
+    secret.write_text(f"s3cret-{secrets.token_hex(8)}")
+    secret.chmod(0o600)
+    code = (f"import os, sys\nprint('mine')\nprint('err', file=sys.stderr)\n"
+            f"for name in ('stdout', 'stderr'):\n    if os.path.lexists(name):\n"
+            f"        os.unlink(name)\n"
+            f"    os.symlink({str(secret)!r}, name)\ndef add(a, b):\n    return a + b")
+    reward, info = code_reward(code, "assert add(1, 2) == 3")
+    assert "s3cret" not in json.dumps(info), info
+    assert reward == 1.0 and (info["stdout"], info["stderr"]) == ("mine\n", "err\n"), info
 
 
 @pytest.mark.parametrize("bomb", [
