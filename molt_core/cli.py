@@ -83,7 +83,9 @@ def check_against_plugins(cfg: Config, plugins: Plugins) -> None:
 
 
 def validate(args: argparse.Namespace) -> int:
-    cfg, _ = load(args.recipe, args.overrides, args.plugin, args.blocked)
+    cfg, plugins = load(args.recipe, args.overrides, args.plugin, args.blocked)
+    from molt_core.trainer import prepare
+    prepare(cfg, plugins)       # what `molt run` checks before it starts anything
     print(f"ok: {args.recipe} (estimator={cfg.algorithm.estimator}, loss={cfg.algorithm.loss}"
           f", agent={cfg.agent.name}, scheme={cfg.rollout.scheme}, engine={cfg.engine.name})")
     return 0
@@ -114,12 +116,12 @@ def start(recipe: str | None, overrides: list[str], plugin_names: list[str] = ()
         cfg, plugins = load(recipe, overrides, plugin_names, blocked)
     from molt_core.run.metrics import configure_logging, make_run_dir
     configure_logging(log_level, fmt=cfg.log.format)
-    from molt_core.trainer import train
-    ckpt = None
+    from molt_core.trainer import prepare, train
+    prepared, ckpt = prepare(cfg, plugins), None       # its refusals leave no run dir
     if resume:
         run_dir, ckpt = prepare_resume(resume, checkpoint, cfg, list(argv))
     else:
         run_dir = make_run_dir(cfg.out_dir, cfg.name, to_dict(cfg), plugins.info, cfg.seed,
                                list(argv))
     print(f"run dir: {run_dir}" + (f" (resuming {ckpt.name})" if ckpt else ""), file=sys.stderr)
-    return run_dir, train(cfg, plugins, run_dir, progress=progress, resume=ckpt)
+    return run_dir, train(cfg, plugins, run_dir, progress, ckpt, prepared)

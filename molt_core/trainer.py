@@ -26,22 +26,19 @@ from molt_core.run.metrics import MetricsSink, namespaced
 from molt_core.run.trajectory_store import TrajectoryWriter
 from molt_core.trajectory import Trajectory, collate
 
-__all__ = ["ForwardConsistencyError", "check_consistency", "logprob_gaps", "probe_consistency",
-           "train"]
+__all__ = ["ForwardConsistencyError", "check_consistency", "logprob_gaps", "prepare",
+           "probe_consistency", "train"]
 
 
 class ForwardConsistencyError(RuntimeError):
     """Engine and trainer disagree on the model (invariant 3)."""
 
 
-def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
-          progress: bool = True, resume: Path | None = None) -> list[dict[str, Any]]:
-    """`cfg.trainer.steps` steps (from checkpoint `resume` on): per-step and eval rows (`_Log`)."""
-    tokenizer = multimodal.load_tokenizer(cfg.model.path, cfg.model.chat_template)
-    vocab_size = AutoConfig.from_pretrained(cfg.model.path).get_text_config().vocab_size
-    agent = plugins.get("agent", cfg.agent.name)(cfg, tokenizer, plugins, **cfg.agent.args)
-    if cfg.eval.every:           # refused before anything starts
-        eval_agent(cfg, plugins, tokenizer)
+def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None, progress: bool = True,
+          resume: Path | None = None, prepared: tuple | None = None) -> list[dict[str, Any]]:
+    """`cfg.trainer.steps` steps (from checkpoint `resume` on): per-step and eval rows (`_Log`);
+    `prepared`: what `prepare` returned (else it runs here)."""
+    tokenizer, vocab_size, agent = prepared or prepare(cfg, plugins)
     torch.manual_seed(cfg.seed)
     with cluster.start(cfg, plugins) as (policy, engines):
         generator = Generator(agent, engines, cfg, tokenizer, vocab_size)
@@ -94,6 +91,20 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None,
             saved.close()
             generator.close()
     return log.history
+
+
+def prepare(cfg: Config, plugins: Plugins) -> tuple[Any, int, Any]:
+    """Tokenizer, vocabulary size and agent, and every check `train` makes before it starts a
+    process (`molt validate` runs it: one refuses what the other would; `ray.address`: at start)."""
+    tokenizer = multimodal.load_tokenizer(cfg.model.path, cfg.model.chat_template)
+    vocab_size = AutoConfig.from_pretrained(cfg.model.path).get_text_config().vocab_size
+    agent = plugins.get("agent", cfg.agent.name)(cfg, tokenizer, plugins, **cfg.agent.args)
+    if cfg.eval.every:
+        eval_agent(cfg, plugins, tokenizer)
+    if not cfg.ray.address:         # the local node, as cluster.start will see it
+        node = cluster.local_node(cfg)
+        cluster.check_resources(cfg, *cluster.actor_options(cfg, node[0]["GPU"] > 0), node)
+    return tokenizer, vocab_size, agent
 
 
 def train_step(cfg: Config, plugins: Plugins, step: int, version: int) -> TrainStep:

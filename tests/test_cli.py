@@ -96,8 +96,16 @@ def bad_inputs(tmp_path, tiny_model_dir, monkeypatch):
         (tmp_path / name / "config.json").write_text(config)
     for f in tiny_model_dir.glob("*.safetensors"):
         (tmp_path / "bad_config" / f.name).symlink_to(f)
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "a", "answer": "b"}\n' * 3)
+    (tmp_path / "molt_test_rewards.py").write_text("def exact(completion, answer):\n"
+                                                   "    return float(completion == answer)\n")
     yield tmp_path
-    sys.modules.pop("molt_test_boom", None)
+    for name in ("molt_test_boom", "molt_test_rewards"):
+        sys.modules.pop(name, None)
+
+
+DATASET = ["agent.args={env: dataset, env_args: {data: DIR/rows.jsonl, test_fraction: 0.0, "
+           "reward: 'molt_test_rewards:exact'}}"]
 
 
 @pytest.mark.parametrize("extra, expect", [
@@ -123,14 +131,23 @@ def bad_inputs(tmp_path, tiny_model_dir, monkeypatch):
     (["algorithm.loss_args.clip_low=[1]"], "loss 'ppo_clip' (plugin grpo) expects a finite float"),
     (["algorithm.estimator_args.std_floor=1"], "estimator 'grpo' (plugin grpo) does not accept "
                                                "std_floor; it accepts: eps, norm_std"),
+    # found by `molt run` once the config and plugins loaded, before it starts a process
+    ([*DATASET, "eval.every=2"], "agent 'gym' env 'dataset' serves no held-out split"),
+    ([*DATASET, "eval.every=2", "eval.agent_args={env_args: {test_fraction: 0.5}}"],
+     "eval.agent_args={env_args: {split: test}} (gym envs with a split: dataset"),
+    (["ray.embedded=on", "trainer.cpus_per_rank=64"], "one trainer rank needs {'CPU': 64.0}"),
 ])
-def test_bad_input_is_one_line_exit_2_and_no_run_dir(capsys, bad_inputs, tiny_recipe, extra,
-                                                     expect):
+def test_bad_input_is_one_line_exit_2_and_validate_says_the_same(capsys, bad_inputs, tiny_recipe,
+                                                                 extra, expect):
+    """Every refusal of `molt run`, from the recipe to what it checks before starting a process
+    (`trainer.prepare`), is `molt validate`'s too, word for word."""
     out_dir = bad_inputs / "runs"
     recipe = [str(bad_inputs / e.split("=", 1)[1]) for e in extra if e.startswith("RECIPE=")]
     extra = [e.replace("DIR", str(bad_inputs)) for e in extra if not e.startswith("RECIPE=")]
-    argv = ["run", *(recipe or [tiny_recipe]), f"out_dir={out_dir}", *extra, "--no-progress"]
-    assert expect in _one_line_error(capsys, argv, out_dir)
+    args = [*(recipe or [tiny_recipe]), f"out_dir={out_dir}", *extra]
+    err = _one_line_error(capsys, ["run", *args, "--no-progress"], out_dir)
+    assert expect in err
+    assert _one_line_error(capsys, ["validate", *args], out_dir) == err
 
 
 

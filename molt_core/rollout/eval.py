@@ -38,9 +38,10 @@ def eval_agent(cfg: Config, plugins: Any, tokenizer: Any) -> Any:
         env = cfg.agent.args.get("env")
         raise ConfigError(
             f"eval: agent '{cfg.agent.name}'{f' env {env!r}' if env else ''} serves no held-out "
-            "split, so its eval tasks would be training tasks. Use an env with a split and "
-            "select its held-out part in eval.agent_args (arithmetic, math: {env_args: {split: "
-            "test}}), or set eval.every=0")
+            "split, so its eval tasks would be training tasks. Select a held-out split: "
+            "eval.agent_args={env_args: {split: test}} (gym envs with a split: dataset, whose "
+            "test rows are its 'split' column's or env_args.test_fraction of them; math, "
+            "arithmetic), {agent_args: {split: test}} (chat agents), or set eval.every=0")
     return agent
 
 

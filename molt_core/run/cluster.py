@@ -23,8 +23,8 @@ from molt_core.config import Config, ConfigError, load_config
 from molt_core.run import actors
 
 __all__ = ["actor_options", "check_resources", "embedded", "engine_kwargs", "engine_name",
-           "init_ray", "num_threads", "prestart", "rank_placement", "reserved", "spawn_engine",
-           "start"]
+           "init_ray", "local_node", "num_threads", "prestart", "rank_placement", "reserved",
+           "spawn_engine", "start"]
 
 log = structlog.get_logger("molt.cluster")
 _early: dict[str, threading.Event] = {}     # "up": set once prestart's ray.init has returned
@@ -215,6 +215,13 @@ def rank_placement(n: int, options: dict, timeout_s: float) -> tuple[list[dict],
         pg, placement_group_bundle_index=i)} for i in range(n)], host, pg
 
 
+def local_node(cfg: Config) -> list[dict[str, float]]:
+    """A local run's one node (no `ray.address`): `ray.num_cpus` CPUs (else all) and the GPUs."""
+    import torch
+    return [{"CPU": float(cfg.ray.num_cpus or os.cpu_count() or 1),
+             "GPU": float(torch.cuda.device_count())}]
+
+
 def reserved(opts: dict) -> dict[str, float]:
     """What an actor's Ray options reserve, {resource: amount > 0} (empty: nothing)."""
     need = {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"], **opts["resources"]}
@@ -268,8 +275,8 @@ def start(cfg: Config, plugins: Any, trainer: bool = True) -> Iterator[tuple[Any
     started = not local and init_ray(cfg)
     engines, policy = [], None
     try:
-        nodes = ([n["Resources"] for n in ray.nodes() if n["Alive"]] if not local else
-                 [{"CPU": float(cfg.ray.num_cpus or os.cpu_count() or 1)}])
+        nodes = (local_node(cfg) if local else
+                 [n["Resources"] for n in ray.nodes() if n["Alive"]])
         rank_opts, engine_opts = actor_options(cfg, any(n.get("GPU") for n in nodes))
         check_resources(cfg, rank_opts, engine_opts, nodes)
         backend = plugins.get("trainer_backend", cfg.trainer.backend)
