@@ -283,7 +283,8 @@ def run_phase(name: str, model_dir: Path, model_info: tuple, device: Any, geo: d
     from molt_core.engines.hf import HFEngine
     from molt_core.policy.handle import _InDriver
     from molt_core.rollout.generator import Generator
-    from molt_core.trainer import probe_consistency, train_step
+    from molt_core.consistency import probe_consistency
+    from molt_core.trainer import train_step
     from molt_grpo import grpo_advantages, ppo_clip_loss
 
     dtype, lora_rank, _, _ = PHASES[name]

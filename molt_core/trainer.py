@@ -15,6 +15,7 @@ from transformers import AutoConfig
 from molt_core import multimodal
 from molt_core.advantage import opt_in, training_batch
 from molt_core.config import Config
+from molt_core.consistency import check_consistency, probe_consistency
 from molt_core.plugins import Plugins
 from molt_core.policy.objective import TrainStep
 from molt_core.rollout.eval import eval_agent, eval_due, evaluate
@@ -24,14 +25,9 @@ from molt_core.run import cluster
 from molt_core.run.checkpoint import Checkpointer
 from molt_core.run.metrics import MetricsSink, namespaced
 from molt_core.run.trajectory_store import TrajectoryWriter
-from molt_core.trajectory import Trajectory, collate
+from molt_core.trajectory import Trajectory
 
-__all__ = ["ForwardConsistencyError", "check_consistency", "logprob_gaps", "prepare",
-           "probe_consistency", "train"]
-
-
-class ForwardConsistencyError(RuntimeError):
-    """Engine and trainer disagree on the model (invariant 3)."""
+__all__ = ["prepare", "train"]
 
 
 def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None, progress: bool = True,
@@ -153,45 +149,6 @@ def filter_batch(plugins: Plugins, groups: list, step: int, refill: Any) -> list
         out = impl.function(**{k: kw[k] for k in impl.argnames})
         groups = groups if out is None else out
     return groups
-
-
-def probe_consistency(generator: Generator, policy: Any, version: int, temperature: float) -> float:
-    """Max |engine - trainer| log-prob over the trainable tokens of one fresh group that the
-    engines sampled with `version` (the trainer's current weights)."""
-    generator.counters["check/probe_groups"] += 1
-    segs = [s for g in generator.generate(1) for t in g for s in t.split_segments()]
-    return float(logprob_gaps(policy, segs, version, temperature).max())
-
-
-def logprob_gaps(policy: Any, trajs: list[Trajectory], version: int, temperature: float
-                 ) -> torch.Tensor:
-    """[B] max |engine - trainer| log-prob over each row's trainable tokens `version` sampled
-    (0 with none): the probe's and the weight-sync canary's comparison."""
-    batch = collate(trajs, None)
-    on = batch["loss_mask"] & (batch["versions"] == version)
-    if not on.any():
-        return torch.zeros(len(trajs))
-    gap = (policy.logprobs(batch, temperature) - batch["behavior_logprobs"]).abs()
-    return torch.where(on, gap, 0.0).amax(1)
-
-
-def check_consistency(cfg: Config, step: int, metrics: dict[str, Any],
-                      probe: Callable[[], float] | None = None) -> None:
-    """Invariant 3: on on-policy tokens the trainer must reproduce the engine's log-probs. With
-    none in the batch (async/partial: no token came from the weights just trained), `probe()`
-    measures it on fresh on-policy tokens of the weights just pushed."""
-    if not (every := cfg.check.consistency_every) or step % every:
-        return
-    if probe is not None and not metrics.get("mismatch/on_policy_fraction"):
-        metrics["mismatch/max_abs"] = probe()
-    gap = metrics.get("mismatch/max_abs", 0.0)
-    if not gap <= cfg.check.consistency_tol:        # NaN fails too
-        raise ForwardConsistencyError(
-            f"step {step}: trainer and engine log-probs differ by up to {gap:.3g} on on-policy "
-            f"tokens (check.consistency_tol={cfg.check.consistency_tol}). Likely causes: a dtype "
-            "difference between engine and trainer (model.dtype), sampling parameters the trainer "
-            "does not reproduce (temperature, top_p/top_k, penalties), a different chat template "
-            "or tokenizer, or a model config mismatch between the two loads.")
 
 
 def rollout_metrics(trajs: list[Trajectory], adv: torch.Tensor, version: int = 0

@@ -17,7 +17,7 @@ from molt_core.engines.hf import HFEngine
 from molt_core.contracts import RolloutContext
 from molt_core.plugins import build_plugins
 from molt_core.policy.handle import Policy
-from molt_core.trainer import ForwardConsistencyError, check_consistency
+from molt_core.consistency import ForwardConsistencyError, check_consistency
 from molt_core.policy.objective import TrainStep
 from molt_grpo import ppo_clip_loss
 

@@ -18,7 +18,8 @@ from molt_core.rollout.generator import Generator
 from molt_core.policy.logprobs import token_logprobs
 from molt_core.policy.handle import Policy
 from molt_core.policy.objective import TrainStep
-from molt_core.trainer import probe_consistency, train
+from molt_core.consistency import probe_consistency
+from molt_core.trainer import train
 from molt_core.trajectory import Trajectory, collate
 from molt_grpo import ppo_clip_loss
 from molt_rollout_partial import PartialScheme

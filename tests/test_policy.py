@@ -18,7 +18,7 @@ from molt_core.config import TrainerConfig
 from molt_core.engines.hf import HFEngine
 from molt_core.policy.handle import Policy
 from molt_core.policy.objective import TrainStep
-from molt_core.trainer import ForwardConsistencyError, check_consistency
+from molt_core.consistency import ForwardConsistencyError, check_consistency
 from molt_grpo import ppo_clip_loss
 
 from common import reference_logprobs

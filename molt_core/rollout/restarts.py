@@ -89,7 +89,7 @@ class EngineRestarts:
     def check_canary(self, version: int) -> None:
         """Every `check.canary_every` syncs from the first (a layout bug shows at once): engines'
         `CANARY` log-probs match the trainer's on `version`, within `check.consistency_tol`."""
-        from molt_core.trainer import logprob_gaps
+        from molt_core.consistency import logprob_gaps
         from molt_core.weight_sync import WeightMismatchError, _wait
         every, tol = self.cfg.check.canary_every, self.cfg.check.consistency_tol
         if not every or (version - 1) % every:

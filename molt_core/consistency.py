@@ -1,0 +1,59 @@
+"""Invariant 3: the trainer reproduces the engine's log-probs on on-policy tokens (the
+per-step check, its probe on fresh tokens, and the comparison the weight-sync canary uses)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from molt_core.config import Config
+from molt_core.trajectory import Trajectory, collate
+
+if TYPE_CHECKING:
+    from molt_core.rollout.generator import Generator
+
+__all__ = ["ForwardConsistencyError", "check_consistency", "logprob_gaps", "probe_consistency"]
+
+
+class ForwardConsistencyError(RuntimeError):
+    """Engine and trainer disagree on the model (invariant 3)."""
+
+
+def probe_consistency(generator: Generator, policy: Any, version: int, temperature: float) -> float:
+    """Max |engine - trainer| log-prob over the trainable tokens of one fresh group that the
+    engines sampled with `version` (the trainer's current weights)."""
+    generator.counters["check/probe_groups"] += 1
+    segs = [s for g in generator.generate(1) for t in g for s in t.split_segments()]
+    return float(logprob_gaps(policy, segs, version, temperature).max())
+
+
+def logprob_gaps(policy: Any, trajs: list[Trajectory], version: int, temperature: float
+                 ) -> torch.Tensor:
+    """[B] max |engine - trainer| log-prob over each row's trainable tokens `version` sampled
+    (0 with none): the probe's and the weight-sync canary's comparison."""
+    batch = collate(trajs, None)
+    on = batch["loss_mask"] & (batch["versions"] == version)
+    if not on.any():
+        return torch.zeros(len(trajs))
+    gap = (policy.logprobs(batch, temperature) - batch["behavior_logprobs"]).abs()
+    return torch.where(on, gap, 0.0).amax(1)
+
+
+def check_consistency(cfg: Config, step: int, metrics: dict[str, Any],
+                      probe: Callable[[], float] | None = None) -> None:
+    """Invariant 3: on on-policy tokens the trainer must reproduce the engine's log-probs. With
+    none in the batch (async/partial: no token came from the weights just trained), `probe()`
+    measures it on fresh on-policy tokens of the weights just pushed."""
+    if not (every := cfg.check.consistency_every) or step % every:
+        return
+    if probe is not None and not metrics.get("mismatch/on_policy_fraction"):
+        metrics["mismatch/max_abs"] = probe()
+    gap = metrics.get("mismatch/max_abs", 0.0)
+    if not gap <= cfg.check.consistency_tol:        # NaN fails too
+        raise ForwardConsistencyError(
+            f"step {step}: trainer and engine log-probs differ by up to {gap:.3g} on on-policy "
+            f"tokens (check.consistency_tol={cfg.check.consistency_tol}). Likely causes: a dtype "
+            "difference between engine and trainer (model.dtype), sampling parameters the trainer "
+            "does not reproduce (temperature, top_p/top_k, penalties), a different chat template "
+            "or tokenizer, or a model config mismatch between the two loads.")
