@@ -125,3 +125,8 @@ def start(recipe: str | None, overrides: list[str], plugin_names: list[str] = ()
                                list(argv))
     print(f"run dir: {run_dir}" + (f" (resuming {ckpt.name})" if ckpt else ""), file=sys.stderr)
     return run_dir, train(cfg, plugins, run_dir, progress, ckpt, prepared)
+
+
+if __name__ == "__main__":          # `python -m molt_core.cli ...`: `molt ...`, as `-m molt_core`
+    from molt_tools.commands import main
+    sys.exit(main())

@@ -350,14 +350,16 @@ def new_plugin(name: str, kind: str, directory: str | Path = ".") -> Path:
     (root / "README.md").write_text(textwrap.dedent(f"""\
         # {fields['dist']}
 
-        A Molt {kind} plugin. Install and use:
+        A Molt {kind} plugin. Install it into the environment that has molt-core (Molt's own
+        venv), or into a new venv with molt-core from Molt's `make dist` wheelhouse
+        (`pip install --find-links MOLT/dist/wheelhouse -e .`), then:
 
             pip install -e .
             pytest tests
-            molt plugins                      # lists `{name}` with its hooks
+            molt plugins                      # lists `{name}` (or: python -m molt_core plugins)
             molt run recipe.yaml --plugin {name}
 
-        Hooks are documented in Molt's docs/plugins.md.
+        Hooks are documented in Molt's docs/plugins.md ("Developing a plugin").
         """))
     return root
 
@@ -375,6 +377,7 @@ def main(args: Any) -> int:
     except (ValueError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"created {root}\nnext: pip install -e {root} && pytest {root}/tests && "
-          f"molt run RECIPE --plugin {args.name}")
+    print(f"created {root}\nnext, in the Python environment that has molt-core: pip install -e "
+          f"{root} && pytest {root}/tests && molt run RECIPE --plugin {args.name}\n(a venv "
+          "without it: pip install --find-links MOLT/dist/wheelhouse -e ...; docs/plugins.md)")
     return 0

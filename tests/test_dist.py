@@ -100,5 +100,23 @@ def test_one_plugin_alone_pulls_the_core_from_the_wheelhouse(tmp_path, wheelhous
     assert "(molt-estimator-grpo 0." in listed and "gym" not in listed
 
 
+def test_a_new_plugin_in_its_own_venv_takes_the_core_from_the_wheelhouse(tmp_path, wheelhouse,
+                                                                          deps_site):
+    """docs/plugins.md, "Developing a plugin": `pip install --find-links WHEELHOUSE -e PKG` of a
+    `molt new-plugin` package in a venv without Molt resolves molt-core from the wheelhouse, and
+    `molt`, `python -m molt_core` and `python -m molt_core.cli` there list the plugin."""
+    from molt_tools.scaffold import new_plugin
+
+    py = _clean_venv(tmp_path / "venv", deps_site)
+    pkg = new_plugin("mine", "estimator", tmp_path)
+    log = _run([sys.executable, "-m", "pip", "--python", py, "install", "--no-index",
+                "--no-build-isolation", "--find-links", wheelhouse, "-e", pkg])
+    assert f"{wheelhouse}/molt_core-" in log and "Successfully installed" in log
+    for cmd in ([tmp_path / "venv" / "bin" / "molt"], [py, "-m", "molt_core"],
+                [py, "-m", "molt_core.cli"]):
+        listed = _run([*cmd, "plugins"], env=_env())
+        assert "mine  (molt-estimator-mine 0.1.0)" in listed and "grpo" not in listed, cmd
+
+
 def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
