@@ -116,5 +116,5 @@ def molt_configure(cfg: Config, plugins: Any) -> None:
 
 @hookimpl
 def molt_chat_agents() -> dict:
-    from molt_tools.chat_calculator import AgentsCalculator, Calculator     # the example agents
+    from molt_chat.calculator import AgentsCalculator, Calculator     # the example agents
     return {"calculator": Calculator, "agents_calculator": AgentsCalculator}

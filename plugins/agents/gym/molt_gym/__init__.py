@@ -15,7 +15,7 @@ from molt_core.config import ConfigError
 from molt_core.contracts import RolloutContext
 from molt_core.trajectory import ImageInput, Trajectory
 from molt_gym.envs import Dataset, Env, MathProblems, Observation
-from molt_tools.toy_envs import Addition, Arithmetic, Colours, GuessNumber, NextLetter, Spell
+from molt_gym.toy_envs import Addition, Arithmetic, Colours, GuessNumber, NextLetter, Spell
 
 __all__ = ["Addition", "Arithmetic", "Colours", "Dataset", "Env", "GymAgent", "GuessNumber",
            "MathProblems", "NextLetter", "Spell"]

@@ -1,0 +1,56 @@
+"""The layers import one way: molt_tools -> plugins -> molt_core. The core imports no plugin and
+no tool, a plugin no tool, even through a function-level import (one inside `if TYPE_CHECKING:`
+is for the type checker only; a launcher, `__main__.py` or an `if __name__ == "__main__":` block,
+stands above every layer)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PLUGIN_PACKAGES = {p.parent.name for p in ROOT.glob("plugins/*/*/*/__init__.py")}
+# `molt_core.evaluate`, the Python form of `molt eval`, is loaded by name from its command's module
+UPWARD_BY_NAME = {"molt_core -> molt_tools.evaluate"}
+
+
+def imports(path: Path) -> set[str]:
+    """The modules `path` imports at run time, anywhere in it (not under `if TYPE_CHECKING:`)."""
+    tree, found = ast.parse(path.read_text()), set()
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and any(k in ast.unparse(node.test)
+                                            for k in ("TYPE_CHECKING", "__main__")):
+            node.body = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = (package.rsplit(".", node.level - 1)[0] + "." if node.level else "")
+            mod = (base + (node.module or "")).rstrip(".")
+            found |= {mod} | {f"{mod}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found |= {node.value} if node.value.split(".")[0] == "molt_tools" else set()
+    return found
+
+
+def sources(pattern: str) -> list[Path]:
+    return [p for p in ROOT.glob(pattern) if p.name != "__main__.py" and "tests" not in p.parts]
+
+
+def module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_core_imports_no_plugin_and_no_tool() -> None:
+    bad = {f"{module(p)} -> {m}" for p in sources("molt_core/**/*.py") for m in imports(p)
+           if m.split(".")[0] in PLUGIN_PACKAGES | {"molt_tools"}} - UPWARD_BY_NAME
+    assert not bad, f"the core reaches up a layer: {sorted(bad)}"
+
+
+def test_plugins_import_no_tool() -> None:
+    bad = {f"{p.relative_to(ROOT)} -> {'.'.join(m.split('.')[:2])}"
+           for p in sources("plugins/*/*/*/**/*.py") for m in imports(p)
+           if m.split(".")[0] == "molt_tools"}
+    assert not bad, f"a plugin imports a tool: {sorted(bad)}"
