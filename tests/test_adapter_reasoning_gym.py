@@ -127,3 +127,30 @@ def test_unknown_task_is_one_clear_error(tiny_model_dir, tmp_path):
     tiny = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}   # 100 questions
     with pytest.raises(ValueError, match="train questions in a row are test questions"):
         run(ReasoningGym(task=TASK, config=tiny, test_size=5000).reset(0))
+
+
+@pytest.mark.parametrize("over", [{"test_size": 400}, {"config": {**CONFIG, "max_digits": 1}},
+                                  {"task": "basic_arithmetic"}])
+def test_eval_may_not_change_what_decides_the_split(tiny_model_dir, tmp_path, capsys, over):
+    """Issue 41: training skips the questions of its own test set only; an eval at test_size 400
+    scored items 200-399, some of them training questions. Refused by `eval_agent` (what training
+    checks) and `molt validate`; the training values repeated pass."""
+    from molt_core.rollout.eval import eval_agent
+    from molt_tools.commands import main
+    trained = {run(ReasoningGym(task=TASK, config=CONFIG).reset(s)) for s in range(400)}
+    wider = ReasoningGym(task=TASK, split="test", config=CONFIG, test_size=400)
+    assert trained & {run(wider.reset(EVAL_TASKS + i)) for i in range(400)}     # the overlap
+    key = next(iter(over))
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for eval_args, refused in ((over, True), ({"task": TASK, "test_size": 200, "config": CONFIG},
+                                              False)):
+        ev = f"eval.agent_args={json.dumps({'env_args': {'split': 'test', **eval_args}})}"
+        cfg, plugins = load(recipe(tmp_path, tiny_model_dir), [ev])
+        if not refused:
+            assert eval_agent(cfg, plugins, tok).held_out
+            continue
+        with pytest.raises(ConfigError, match=rf"eval.agent_args.env_args.{key}=.* differs from "
+                                              "training's"):
+            eval_agent(cfg, plugins, tok)
+        assert main(["validate", recipe(tmp_path, tiny_model_dir), ev]) == 2
+        assert f"env_args.{key}=" in capsys.readouterr().err

@@ -169,3 +169,47 @@ def test_eval_takes_a_chat_agent_whose_class_has_a_test_split(tiny_recipe, tmp_p
                             plugin)
         with pytest.raises(ConfigError, match="agent 'chat'.* serves no held-out split"):
             eval_agent(cfg, plugins, tok)
+
+
+@pytest.mark.parametrize("env, over, key", [
+    ("dataset", {"test_fraction": 0.3}, "test_fraction"),
+    ("math", {"test_fraction": 0.3}, "test_fraction"),
+    ("dataset", {"data": "other.jsonl"}, "data"),
+    ("dataset", {"prompt": "answer"}, "prompt"),
+])
+def test_eval_refuses_an_override_of_what_decides_the_split(tiny_recipe, tmp_path, monkeypatch,
+                                                            capsys, env, over, key):
+    """Issue 41: 1000 rows, trained at test_fraction 0.1, evaluated at 0.3: the test split held
+    ~200 training rows. Refused by training's check (`eval_agent`) and by `molt validate`; the
+    same value as training's, or a change of what does not split (the reward), passes."""
+    from molt_core.rollout.eval import eval_agent
+    from molt_gym import Dataset
+    from transformers import AutoTokenizer
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_reward.py").write_text("def one(completions, **kw):\n"
+                                           "    return [1.0] * len(completions)\ntwo = one\n")
+    for name in ("rows.jsonl", "other.jsonl"):
+        (tmp_path / name).write_text("".join(json.dumps({"prompt": f"{i} + {i}?",
+                                                         "answer": str(2 * i)}) + "\n"
+                                             for i in range(1000)))
+    rows = str(tmp_path / "rows.jsonl")    # absolute: molt_gym.envs caches rows by path
+    train_rows = Dataset(data=rows, reward="my_reward:one").rows
+    test_rows = Dataset(data=rows, reward="my_reward:one", split="test", test_fraction=0.3).rows
+    assert len(set(map(repr, train_rows)) & set(map(repr, test_rows))) > 150   # the overlap
+    env_args = {"data": rows, **({"reward": "my_reward:one"} if env == "dataset" else {})}
+    common = ["eval.every=1", f"agent.args.env={env}",
+              f"agent.args.env_args={json.dumps(env_args)}"]
+    cfg, plugins = load(tiny_recipe, [*common, "eval.agent_args="
+                                      + json.dumps({"env_args": {"split": "test", **over}})])
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    with pytest.raises(ConfigError, match=rf"eval.agent_args.env_args.{key}=.* differs from "
+                                          rf"training's .*Set it in agent.args.env_args.{key}"):
+        eval_agent(cfg, plugins, tok)
+    assert main(["validate", tiny_recipe, *common, "eval.agent_args="
+                 + json.dumps({"env_args": {"split": "test", **over}})]) == 2
+    assert f"eval.agent_args.env_args.{key}=" in capsys.readouterr().err
+    same = {"split": "test", "test_fraction": 0.1, "data": rows}
+    if env == "dataset":        # scoring eval another way does not move rows
+        same |= {"prompt": "prompt", "reward": "my_reward:two"}
+    cfg, plugins = load(tiny_recipe, [*common, f"eval.agent_args={json.dumps({'env_args': same})}"])
+    assert eval_agent(cfg, plugins, tok).held_out

@@ -31,9 +31,11 @@ def eval_due(cfg: Config, step: int) -> bool:
 
 def eval_agent(cfg: Config, plugins: Any, tokenizer: Any) -> Any:
     """The agent on `eval.agent_args`; one that cannot tell held-out tasks from training's (no
-    `held_out` attribute true) is refused: evaluating it would measure the training set."""
-    agent = plugins.get("agent", cfg.agent.name)(cfg, tokenizer, plugins,
-                                                 **_merge(cfg.agent.args, cfg.eval.agent_args))
+    `held_out` attribute true), or whose `split_args` (the args that decide its split, by dotted
+    name) differ from the training agent's, is refused: evaluating it would measure the training
+    set."""
+    make = plugins.get("agent", cfg.agent.name)
+    agent = make(cfg, tokenizer, plugins, **_merge(cfg.agent.args, cfg.eval.agent_args))
     if not getattr(agent, "held_out", False):
         env = cfg.agent.args.get("env")
         raise ConfigError(
@@ -42,6 +44,13 @@ def eval_agent(cfg: Config, plugins: Any, tokenizer: Any) -> Any:
             "eval.agent_args={env_args: {split: test}} (gym envs with a split: dataset, whose "
             "test rows are its 'split' column's or env_args.test_fraction of them; math, "
             "arithmetic), {agent_args: {split: test}} (chat agents), or set eval.every=0")
+    trained = getattr(make(cfg, tokenizer, plugins, **cfg.agent.args), "split_args", {})
+    for key, value in getattr(agent, "split_args", {}).items():
+        if key in trained and value != trained[key]:
+            raise ConfigError(
+                f"eval.agent_args.{key}={value!r} differs from training's {trained[key]!r}: it "
+                "decides which tasks are held out, so eval would score training tasks. Set it in "
+                f"agent.args.{key} (training and eval share it) and not in eval.agent_args")
     return agent
 
 

@@ -28,6 +28,8 @@ class ReasoningGym(Env):
     """Single turn: an item of `task` (`config`: its keys) scored by the task on the reply (or on
     group 1 of regex `answer`); test's items use seeds from 1e9, train's skip test's questions."""
 
+    split_by = ("task", "test_size", "config")     # eval may not change these
+
     def __init__(self, *, task: str, split: Literal["train", "test"] = "train",
                  test_size: int = 200, config: dict | None = None, answer: str = "") -> None:
         self.data, self.skip, self.answer = *_split(task, split, test_size, repr(config)), answer

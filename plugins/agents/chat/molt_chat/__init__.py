@@ -51,8 +51,10 @@ class ChatRunner:
                  max_request_mb: float = 8.0) -> None:
         self.agent_cls = plugins.get("chat_agent", agent)   # registered by `molt_chat_agents`
         self.agent_args = agent_args or {}
-        self.held_out = self.agent_args.get("split") == "test" and \
-            "split" in inspect.signature(self.agent_cls).parameters   # eval: as molt_gym's rule
+        sig = inspect.signature(self.agent_cls).parameters        # eval: as molt_gym's rule
+        self.held_out = self.agent_args.get("split") == "test" and "split" in sig
+        self.split_args = {f"agent_args.{k}": self.agent_args.get(k, sig[k].default)
+                           for k in getattr(self.agent_cls, "split_by", ()) if k in sig}
         require_chat_template(tokenizer)
         self.tok, self.max_segments = tokenizer, max_segments
         self.max_body_bytes = int(max_request_mb * 2**20)

@@ -36,9 +36,12 @@ class GymAgent:
                  system_prompt: str | None = None, chat_template: bool = True) -> None:
         self.env_cls = plugins.get("env", env)
         self.env_args = env_args or {}
-        # eval (molt_core.rollout.eval) runs only an env that serves a held-out split
-        self.held_out = self.env_args.get("split") == "test" and \
-            "split" in inspect.signature(self.env_cls).parameters
+        # eval (molt_core.rollout.eval) runs only an env that serves a held-out split, and keeps
+        # the args that decide it (the env's `split_by`) as training has them
+        sig = inspect.signature(self.env_cls).parameters
+        self.held_out = self.env_args.get("split") == "test" and "split" in sig
+        self.split_args = {f"env_args.{k}": self.env_args.get(k, sig[k].default)
+                           for k in getattr(self.env_cls, "split_by", ()) if k in sig}
         self.max_turns = max_turns
         self.system = [{"role": "system", "content": system_prompt}] if system_prompt else []
         self.chat_template, self.tok = chat_template, tokenizer

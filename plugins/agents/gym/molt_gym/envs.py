@@ -62,6 +62,8 @@ class MathProblems(Env):
     plugin molt-reward-math)."""
 
     boxed = True          # the reply must box its answer
+    split_by = ("data", "test_fraction")      # eval may not change these (molt_core.rollout.eval)
+
     def __init__(self, *, data: str, instruction: str = "", split: str = "train",
                  test_fraction: float = 0.1) -> None:
         self.rows, self.instruction = _split(data, split, test_fraction), instruction
@@ -123,6 +125,8 @@ class Dataset(Env):
     """Single turn: a row's `prompt` column (text or chat messages) is the observation; the reward
     is the weighted sum of `reward`'s functions (a name, a list or {name: weight}) of the reply and
     the row's columns. The train split is read in epochs, each shuffled by the run's seed."""
+
+    split_by = ("data", "prompt", "test_fraction")
 
     def __init__(self, *, data: str, reward: str | list | dict, prompt: str = "prompt",
                  split: str = "train", test_fraction: float = 0.1, shuffle: bool = True) -> None:
