@@ -20,9 +20,9 @@ from typing import Any, Callable, Iterator
 
 import yaml
 
-__all__ = ["add_args", "decoder", "iter_steps", "load_rows", "main", "read_trajectories",
-           "render_terminal", "segment_links", "step_record", "token_roles", "write_paged",
-           "write_single"]
+__all__ = ["add_args", "data_file", "decoder", "iter_steps", "load_rows", "main",
+           "read_trajectories", "render_terminal", "segment_links", "step_record", "token_roles",
+           "write_paged", "write_single"]
 
 Decode = Callable[[list[int]], dict[int, str]]
 
@@ -223,19 +223,31 @@ def _step_js(rec: dict[str, Any]) -> str:
     return f"molt_step(JSON.parse({json.dumps(_js(rec), ensure_ascii=False)}));\n"
 
 
-def _page(out: Path, title: str, index: list[dict], paged: bool, inline: str = "") -> Path:
+def data_file(run_dir: str | Path) -> str:
+    """The run's data file (env `dataset`: `agent.args.env_args.data`), "" for other envs."""
+    try:
+        cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
+        return str(cfg["agent"]["args"]["env_args"]["data"])
+    except (OSError, KeyError, TypeError):
+        return ""
+
+
+def _page(out: Path, title: str, index: list[dict], paged: bool, inline: str = "",
+          data: str = "") -> Path:
     from molt_tools.view_page import PAGE
 
     page = (PAGE.replace("__TITLE__", html.escape(title)).replace("__PAGED__", _js(paged))
-            .replace("__INDEX__", _js(index)).replace("__STEPS__", inline))
+            .replace("__DATA__", _js(data)).replace("__INDEX__", _js(index))
+            .replace("__STEPS__", inline))
     out.write_text(page, encoding="utf-8")
     return out
 
 
 def write_paged(steps: Iterator[tuple[int, list[dict]]], out: str | Path, decode: Decode,
-                title: str = "molt view") -> tuple[Path, list[dict]]:
+                title: str = "molt view", data: str = "") -> tuple[Path, list[dict]]:
     """`out/index.html` (the per-step summaries) and `out/steps/step_NNNNNN.js` per step, which
-    the page loads by `<script src>` when the step is opened (from file:// too)."""
+    the page loads by `<script src>` when the step is opened (from file:// too); `data`: the
+    data file named beside each row's line."""
     out = Path(out)
     (out / "steps").mkdir(parents=True, exist_ok=True)
     for old in (out / "steps").glob("step_*.js"):
@@ -245,16 +257,16 @@ def write_paged(steps: Iterator[tuple[int, list[dict]]], out: str | Path, decode
         rec = step_record(step, rows, decode)
         (out / "steps" / f"step_{step:06d}.js").write_text(_step_js(rec), encoding="utf-8")
         index.append(_summary(rec))
-    return _page(out / "index.html", title, index, True), index
+    return _page(out / "index.html", title, index, True, data=data), index
 
 
 def write_single(steps: Iterator[tuple[int, list[dict]]], out: str | Path, decode: Decode,
-                 title: str = "molt view") -> tuple[Path, list[dict]]:
+                 title: str = "molt view", data: str = "") -> tuple[Path, list[dict]]:
     """One self-contained HTML file: the same page, every step inline."""
     recs = [step_record(step, rows, decode) for step, rows in steps]
     inline = "".join(f"<script>{_step_js(rec)}</script>" for rec in recs)
     index = [_summary(r) for r in recs]
-    return _page(Path(out), title, index, False, inline), index
+    return _page(Path(out), title, index, False, inline, data), index
 
 
 def render_terminal(rows: list[dict[str, Any]], colour: str = "role", console: Any = None,
@@ -290,6 +302,12 @@ def render_terminal(rows: list[dict[str, Any]], colour: str = "role", console: A
                 if k < len(turns):
                     text.append(f" [r={turns[k]:g}]", style="bold blue")
         console.print(text)
+        if "columns" in (info := json.loads(r["info"] or "{}")):    # what the reward compared
+            shown = {**info["columns"],
+                     **{k: v for k, v in info.items() if k.startswith("reward/")}}
+            console.print(f"data line {info['line']} (row {info['row']} of its split): "
+                          + ", ".join(f"{k}={v!r}" for k, v in shown.items()),
+                          style="cyan", markup=False, highlight=False)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -331,6 +349,6 @@ def main(args: argparse.Namespace) -> int:
     title = f"molt view: {run_dir.resolve().name}"
     write = write_single if args.single else write_paged
     out, index = write(steps, args.out or run_dir / ("view.html" if args.single else "view"),
-                       decode, title)
+                       decode, title, data_file(run_dir))
     print(f"view: {out} ({sum(s['n'] for s in index)} rollouts, {len(index)} steps)")
     return 0

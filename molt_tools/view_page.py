@@ -45,6 +45,12 @@ main{flex:1;min-width:0}
  padding:0 5px;margin:0 3px}
 .img{background:#ce93d8;padding:0 4px;border-radius:3px;font:11px system-ui}
 .legend span{padding:1px 6px;margin-right:4px;border-radius:3px;font-size:12px}
+.body{display:flex;gap:10px;align-items:flex-start}.body .toks{flex:1;min-width:0}
+.data{flex:0 0 32%;max-width:32%;border-collapse:collapse;font-size:12px;background:#f3f8ff}
+.data caption{text-align:left;font-weight:600;padding:2px 0;word-break:break-all}
+.data th,.data td{border:1px solid #d0dff0;padding:2px 5px;vertical-align:top;text-align:left}
+.data th{white-space:nowrap;color:#345}.data td{font:12px ui-monospace,monospace;
+ white-space:pre-wrap;word-break:break-word}
 #count,.note{color:#555}.note{margin:12px}
 input{width:4.5em}#step{width:5.5em}
 </style></head><body>
@@ -71,7 +77,7 @@ input{width:4.5em}#step{width:5.5em}
 </div><div id="index"></div></nav><main id="list"></main></div>
 <script>
 const T0 = performance.now().toFixed(1);      // the bench reads T0, index and first-step times
-const INDEX = __INDEX__, PAGED = __PAGED__, STEPS = {}, PAGE = 50;
+const INDEX = __INDEX__, PAGED = __PAGED__, DATA = __DATA__, STEPS = {}, PAGE = 50;
 const BY_STEP = new Map(INDEX.map(x => [x.step, x]));
 const $ = id => document.getElementById(id);
 const FILTERS = ['rmin', 'rmax', 'tmin', 'tmax', 'vmin', 'vmax', 'lag', 'gap'];
@@ -124,6 +130,17 @@ function tip(e) {           // a token's tooltip, made when hovered (not for eve
   t.title = `id ${r.ids[i]} | ${ROLE[r.roles[i]]} | version ${r.versions[i]} | behavior lp ${r.lp[i]}` +
       (r.tlp.length ? ` | trainer lp ${r.tlp[i]}` : '');
 }
+// the data row a rollout's reward compared (env `dataset`: info's line, row and columns) and each
+// reward function's value, beside the tokens; the rest of info stays in the meta line
+function dataHtml(info) {
+  if (!info.columns) return '';
+  const cell = v => esc(typeof v === 'string' ? v : JSON.stringify(v));
+  const rows = Object.entries(info.columns).map(([k, v]) => `<tr><th>${esc(k)}</th><td>${cell(v)}</td></tr>`)
+      .concat(Object.entries(info).filter(([k]) => k.startsWith('reward/'))
+      .map(([k, v]) => `<tr><th>${esc(k)}</th><td>${cell(v)}</td></tr>`));
+  return `<table class="data"><caption title="${esc(DATA)}">${esc(DATA.split('/').pop() || 'data')}` +
+      ` line ${info.line} (row ${info.row} of its split)</caption>${rows.join('')}</table>`;
+}
 function rolloutHtml(r, k, vocab, step, mode) {
   const segs = new Map(r.segments.map((s, k) => [s, r.links[k]]));
   const ends = new Map(r.turns.map((t, k) => [t[1], k]));
@@ -145,13 +162,16 @@ function rolloutHtml(r, k, vocab, step, mode) {
   }
   const turns = r.turn_rewards ? ` &middot; turn rewards <b>${r.turn_rewards.join(', ')}</b>` : '';
   const v = r.vrange ? ` &middot; versions ${r.vrange[0]}..${r.vrange[1]}` : '';
+  const info = JSON.parse(r.info || '{}'), data = dataHtml(info);
+  const rest = data ? Object.fromEntries(Object.entries(info).filter(([k]) =>
+      !['columns', 'line', 'row'].includes(k) && !k.startsWith('reward/'))) : info;
   return `<div class="rollout" data-k="${k}" data-reward="${r.reward}" data-step="${step}">
 <div class="meta">step <b>${step}</b> &middot; group <b>${r.group}</b> &middot; rollout
 <b>${r.rollout}</b> &middot; task ${r.task} &middot; reward <b class="reward">${fmt(r.reward, 4)}</b>${turns}
 &middot; ${r.turns.length} turn(s) &middot; ${r.segments.length} segment(s) &middot; ${r.ids.length}
 tokens${v}${r.gap !== null ? ` &middot; max |gap| ${r.gap}` : ''}${r.truncated ? ' &middot; truncated' : ''}
-&middot; info <code>${esc(r.info)}</code></div>
-<div class="toks">${out}</div></div>`;
+${Object.keys(rest).length ? ` &middot; info <code>${esc(JSON.stringify(rest))}</code>` : ''}</div>
+<div class="body"><div class="toks">${out}</div>${data}</div></div>`;
 }
 function legend(mode, rec) {
   if (mode === 'role') return '<span class="prompt">prompt</span><span class="trainable">trainable</span>' +

@@ -102,6 +102,13 @@ def test_files_splits_and_epochs(data):
                                          json.dumps(ROWS[1]) + "\n")
     assert Dataset(data="declared.jsonl", reward="my_rewards:exact", split="test",
                    test_fraction=0.0).rows == ({**ROWS[0], "split": "test"},)
+    # info: a row's index in its split (`row`) and its line in the file, blank lines counted
+    (data / "blank.jsonl").write_text("\n".join(["", json.dumps({**ROWS[0], "split": "test"}),
+                                                    "", json.dumps(ROWS[1])]) + "\n")
+    train = Dataset(data="blank.jsonl", reward="my_rewards:exact", test_fraction=0.0)
+    run(train.reset(0))
+    assert train.lines == (4,) and run(train.step("c"))[3] == {
+        "row": 0, "line": 4, "columns": {"answer": "c"}, "reward/my_rewards:exact": 1.0}
     with pytest.raises(ValueError, match="'question'.*row 0 lacks"):
         Dataset(data="rows.jsonl", reward="my_rewards:exact", prompt="question")
 
@@ -123,7 +130,8 @@ def test_reward_functions_trl_and_molt_forms(data):
     assert run(env.reset(1)) == "after b"
     _, reward, done, info = run(env.step(" c"))
     assert done and reward == 0.5 * -18 + 2.0 * 1.0 + 1.0
-    assert info == {"row": 1, "reward/my_rewards:reward_len": -18.0, "first": " ",
+    assert info == {"row": 1, "line": 2, "columns": {"answer": "c"},
+                    "reward/my_rewards:reward_len": -18.0, "first": " ",
                     "reward/my_rewards:exact": 1.0, "reward/./my_rewards.py:first_letter": 1.0}
     run(env.reset(9))                                           # exact: None for "after j"
     assert run(env.step("k"))[1] == 0.5 * -19 + 1.0

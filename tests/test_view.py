@@ -4,11 +4,13 @@ built and saved in-test (the store's own writer), so no training run is needed."
 
 from __future__ import annotations
 
+import asyncio
 import html
 import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import matplotlib.image
@@ -193,3 +195,67 @@ def test_tokenizer_from_final_in_a_copied_run_dir_else_one_line_error(run_dir, t
     assert main(["view", str(elsewhere)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: no saved trajectories in {elsewhere}") and err.count("\n") == 1
+
+
+@pytest.fixture
+def dataset_run(tmp_path, tiny_chars_dir, monkeypatch) -> Path:
+    """One step of rollouts scored by the real `dataset` env on a JSONL file whose rows sit on
+    lines 3 and 5 (blank lines and a held-out row before them), saved by the store's writer."""
+    from molt_gym import Dataset
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "view_rewards.py").write_text(
+        "def exact(completion, answer):\n    return float(completion.strip() == answer)\n")
+    data = tmp_path / "letters.jsonl"
+    data.write_text("\n".join([json.dumps({"prompt": "after a ", "answer": "b", "split": "test"}),
+                               "", json.dumps({"prompt": "after b ", "answer": "c", "hint": 2}),
+                               "", json.dumps({"prompt": "after c ", "answer": "d", "hint": 3})]))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({
+        "model": {"path": str(tiny_chars_dir)},
+        "agent": {"name": "gym", "args": {"env": "dataset", "env_args": {"data": str(data)}}}}))
+    tok = AutoTokenizer.from_pretrained(tiny_chars_dir)
+    env = Dataset(data=str(data), reward="view_rewards:exact", test_fraction=0.0, shuffle=False)
+    trajs = []
+    for k, reply in enumerate(["c", "x"]):
+        traj = Trajectory(0, k)
+        traj.add_prompt(ids(tok, asyncio.run(env.reset(k))))
+        traj.add_completion(Completion(ids(tok, reply), [-0.5], [0]))
+        _, traj.reward, _, traj.info = asyncio.run(env.step(reply))
+        trajs.append(traj)
+    (tmp_path / "trajectories").mkdir()
+    write_trajectories(tmp_path / "trajectories" / "step_000000.parquet",
+                       trajectory_rows(0, trajs, tok))
+    sys.modules.pop("view_rewards", None)
+    return tmp_path
+
+
+def test_terminal_view_shows_the_data_row_each_reward_compared(dataset_run, capsys):
+    assert main(["view", str(dataset_run), "--terminal"]) == 0
+    out = " ".join(capsys.readouterr().out.split())      # the console wraps long lines
+    assert ("data line 3 (row 0 of its split): answer='c', hint=2, reward/view_rewards:exact=1.0"
+            in out)
+    assert "data line 5 (row 1 of its split): answer='d', hint=3, reward/view_rewards:exact=0.0" \
+        in out
+
+
+@needs_browser
+def test_page_shows_each_completion_beside_its_data_row(dataset_run, tmp_path):
+    """Each rollout's tokens with a table beside them: the data file and line, the row's
+    columns and each reward function's value; a screenshot has the table drawn."""
+    assert main(["view", str(dataset_run)]) == 0
+    url = (dataset_run / "view" / "index.html").as_uri()
+    dom = chromium("--dump-dom", url)
+    tables = re.findall(r'<table class="data">(.*?)</table>', dom)
+    data = dataset_run / "letters.jsonl"                 # named, its full path in the title
+    assert [re.search(r'<caption title="(.*?)">(.*?)</caption>', t).groups() for t in tables] == [
+        (str(data), "letters.jsonl line 3 (row 0 of its split)"),
+        (str(data), "letters.jsonl line 5 (row 1 of its split)")]
+    cells = [dict(re.findall(r"<tr><th>(.*?)</th><td>(.*?)</td></tr>", t)) for t in tables]
+    assert cells == [{"answer": "c", "hint": "2", "reward/view_rewards:exact": "1"},
+                     {"answer": "d", "hint": "3", "reward/view_rewards:exact": "0"}]
+    assert "info <code>" not in dom            # nothing else in info: no empty info line
+    shot = tmp_path / "data.png"
+    chromium(f"--screenshot={shot}", "--window-size=1000,500", url)
+    img = matplotlib.image.imread(shot)[..., :3]
+    table = np.array([0xf3, 0xf8, 0xff]) / 255                          # .data background
+    assert (np.abs(img - table).max(-1) < 0.01).sum() > 500, "no data table drawn"

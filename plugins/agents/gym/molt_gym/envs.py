@@ -21,38 +21,41 @@ __all__ = ["Dataset", "Env", "MathProblems", "Observation"]
 
 
 @functools.lru_cache(maxsize=4)
-def _rows(path: str) -> tuple[dict, ...]:
-    """A JSONL, Parquet or CSV file's rows, or a `datasets` directory's (save_to_disk)."""
+def _rows(path: str) -> tuple[tuple[int, dict], ...]:
+    """A JSONL, Parquet or CSV file's rows, or a `datasets` directory's (save_to_disk), each with
+    its place: its JSONL line, else its row number (from 1; a DatasetDict's: in its split)."""
     if Path(path).is_dir():     # a DatasetDict's splits are its rows' "split"
         from datasets import DatasetDict, load_from_disk
         ds = load_from_disk(path)
-        return tuple({**r, "split": s} for s, d in ds.items() for r in d.to_list()) \
-            if isinstance(ds, DatasetDict) else tuple(ds.to_list())
+        return tuple((i, {**r, "split": s}) for s, d in ds.items()
+                     for i, r in enumerate(d.to_list(), 1)) \
+            if isinstance(ds, DatasetDict) else tuple(enumerate(ds.to_list(), 1))
     if path.endswith((".parquet", ".csv")):
         from pyarrow import csv, parquet
         read = parquet.read_table if path.endswith(".parquet") else csv.read_csv
-        return tuple(read(path).to_pylist())
+        return tuple(enumerate(read(path).to_pylist(), 1))
     with open(path) as f:
-        return tuple(json.loads(line) for line in f if line.strip())
+        return tuple((n, json.loads(line)) for n, line in enumerate(f, 1) if line.strip())
 
 
 @functools.lru_cache(maxsize=8)
-def _split(path: str, split: str, test_fraction: float,
-           need: tuple[str, ...] = ("prompt", "answer")) -> tuple[dict, ...]:
-    """`split`'s rows: a row's own "split" field, else a hash of its prompt (test: `test_fraction`
-    of them), so no held-out row is ever a training row."""
+def _split(path: str, split: str, test_fraction: float, need: tuple[str, ...] = ("prompt", "answer")
+           ) -> tuple[tuple[dict, ...], tuple[int, ...]]:
+    """`split`'s rows and their places in the file (`_rows`): a row's own "split" field, else a
+    hash of its prompt (test: `test_fraction` of them), so no held-out row is a training row."""
     rows = _rows(path)
-    bad = [i for i, r in enumerate(rows) if not set(need) <= set(r)]
+    bad = [i for i, (_, r) in enumerate(rows) if not set(need) <= set(r)]
     if not rows or bad:
         raise ValueError(f"{path}: expected rows with {', '.join(map(repr, need))} "
                          f"({'no rows' if not rows else f'row {bad[0]} lacks them'})")
     def side(row: dict) -> str:
         held = zlib.crc32(str(row[need[0]]).encode()) % 10_000 < test_fraction * 10_000
         return row.get("split", "test" if held else "train")
-    if not (rows := tuple(r for r in rows if side(r) == split)):
+    if not (kept := [(n, r) for n, r in rows if side(r) == split]):
         raise ValueError(f"{path}: no '{split}' rows (test_fraction={test_fraction}, rows' "
                          "own 'split' field)")
-    return rows
+    lines, rows = zip(*kept)
+    return rows, lines
 
 
 class MathProblems(Env):
@@ -66,7 +69,7 @@ class MathProblems(Env):
 
     def __init__(self, *, data: str, instruction: str = "", split: str = "train",
                  test_fraction: float = 0.1) -> None:
-        self.rows, self.instruction = _split(data, split, test_fraction), instruction
+        self.rows, self.instruction = _split(data, split, test_fraction)[0], instruction
 
     async def reset(self, seed: int) -> Observation:
         self.row = self.rows[seed % len(self.rows)]
@@ -130,7 +133,7 @@ class Dataset(Env):
 
     def __init__(self, *, data: str, reward: str | list | dict, prompt: str = "prompt",
                  split: str = "train", test_fraction: float = 0.1, shuffle: bool = True) -> None:
-        self.rows = _split(data, split, test_fraction, (prompt,))
+        self.rows, self.lines = _split(data, split, test_fraction, (prompt,))
         spec = reward.items() if isinstance(reward, dict) else \
             [(r, 1.0) for r in ([reward] if isinstance(reward, str) else reward)]
         self.functions = _functions(tuple(spec))
@@ -145,9 +148,11 @@ class Dataset(Env):
         return self.row[self.prompt]
 
     async def step(self, action: str) -> tuple[None, float, bool, dict]:
-        """Functions returning None are skipped; if all do, NaN (the rollout is dropped)."""
+        """Functions returning None are skipped; if all do, NaN (the rollout is dropped). Info:
+        the row (`row`: in the split; `line`: in the file, `_rows`) and the columns compared."""
         columns = {k: v for k, v in self.row.items() if k != self.prompt}
-        total, scored, info = 0.0, False, {"row": self.index}
+        total, scored = 0.0, False
+        info = {"row": self.index, "line": self.lines[self.index], "columns": columns}
         for name, fn, weight in self.functions:
             try:
                 value, extra = await _call(fn, action, self.row[self.prompt], columns)
