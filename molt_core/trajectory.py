@@ -79,6 +79,9 @@ class Trajectory:
     # `prompt_routed_experts`); None until a completion carrying routing is added.
     routed_experts: list[list[list[int]]] | None = None
     images: list[ImageInput] = field(default_factory=list)   # in order of their placeholders
+    # [start, end) of each model call's sampled tokens, as `add_completion` got them: an empty
+    # reply (cut at a stop string) is a call too, so per-call rewards stay aligned with calls
+    calls: list[list[int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -110,6 +113,7 @@ class Trajectory:
             self.routed_experts += c.routed_experts
         elif self.routed_experts is not None:
             self.routed_experts += [_sentinel(self.routed_experts[0])] * len(c.token_ids)
+        self.calls.append([len(self.token_ids), len(self.token_ids) + len(c.token_ids)])
         self.token_ids += c.token_ids
         self.loss_mask += [True] * len(c.token_ids)
         self.logprobs += c.logprobs
@@ -121,19 +125,15 @@ class Trajectory:
         return sum(self.loss_mask)
 
     def turns(self) -> list[tuple[int, int]]:
-        """[start, end) of each model call's sampled tokens: runs of tokens with a version (tokens
-        `filter_stale` masks keep theirs), cut at segment starts."""
-        s = np.asarray(self.versions, dtype=np.int64) >= 0
-        cut = np.zeros(len(s) + 1, dtype=bool)
-        cut[[b for b in self.segments if b <= len(s)]] = True
-        nxt, prev = np.r_[s[1:], False], np.r_[False, s[:-1]]
-        starts = np.flatnonzero(s & (~prev | cut[:-1]))
-        ends = np.flatnonzero(s & (~nxt | cut[1:])) + 1
-        return list(zip(starts.tolist(), ends.tolist()))
+        """[start, end) of each model call's sampled tokens (`calls`; tokens `filter_stale` masks
+        stay in theirs), empty where a reply had none."""
+        return [(a, b) for a, b in self.calls]
 
     def split_segments(self) -> list[Trajectory]:
         """One trajectory per segment, each its own training sequence (never attending to another),
-        sharing ids, reward, turn rewards, truncation and info; one segment: this trajectory."""
+        sharing ids, reward, turn rewards, truncation and info, each with its calls (a call starts
+        after its prompt, so past the segment's start; an empty one may sit at its end); one
+        segment: this trajectory."""
         if not any(self.segments):
             return [self]
         bounds = sorted(set(self.segments) | {0}) + [len(self)]
@@ -141,7 +141,8 @@ class Trajectory:
                            self.logprobs[a:b], self.versions[a:b], [0], self.reward,
                            self.turn_rewards, self.truncated, self.info,
                            None if self.routed_experts is None else self.routed_experts[a:b],
-                           [im.shifted(-a) for im in self.images if a <= im.start < b])
+                           [im.shifted(-a) for im in self.images if a <= im.start < b],
+                           [[s - a, e - a] for s, e in self.calls if a < s <= b])
                 for a, b in zip(bounds, bounds[1:]) if a != b]
 
     def check(self, vocab_size: int | None = None) -> None:
@@ -151,12 +152,16 @@ class Trajectory:
             if getattr(self, name) is not None and len(getattr(self, name)) != n:
                 raise InvariantError(f"{who}: {name} has {len(getattr(self, name))} entries for "
                                      f"{n} tokens")
+        if (ends := [x for c in self.calls for x in c]) != sorted(ends) or ends[-1:] > [n]:
+            raise InvariantError(f"{who}: calls {self.calls} are not ordered [start, end) spans "
+                                 f"of its {n} tokens; only add_completion records calls")
+        sampled = {i for a, b in self.calls for i in range(a, b)}
         for i, (tok, m, lp, v) in enumerate(zip(self.token_ids, self.loss_mask, self.logprobs,
                                                 self.versions)):
             if not isinstance(tok, int) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
                 raise InvariantError(f"{who}: token id {tok!r} at position {i} is outside the "
                                      f"vocabulary [0, {vocab_size})")
-            if m and (v < 0 or not (lp <= 0.0) or math.isinf(lp)):
+            if m and (v < 0 or not (lp <= 0.0) or math.isinf(lp) or i not in sampled):
                 raise InvariantError(f"{who}: trainable token at position {i} has no sampling "
                                      f"record (version {v}, log-prob {lp}); trainable tokens must "
                                      "come from engine completions (Trajectory.add_completion)")

@@ -23,11 +23,17 @@ from pathlib import Path
 import anthropic
 import openai
 import pytest
+import torch
 from transformers import AutoTokenizer
 
+from molt_core.advantage import training_batch
 from molt_core.chat.server import ChatServer, parse_tool_calls
+from molt_core.config import AlgorithmConfig
 from molt_core.engines.hf import HFEngine
 from molt_core.trajectory import Completion
+from molt_gigpo import gigpo_advantages
+from molt_tools.testing import _ZeroCritic
+from molt_turn_rloo import turn_rloo_advantages
 
 TOOL = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression",
@@ -579,6 +585,7 @@ def test_models_list_logprobs_and_fresh_sample(tiny_model_dir, tok):
     assert_token_exact(tok, traj, rec, rendered)
     spans = traj.info["turn_spans"]
     assert [traj.logprobs[a:b] for a, b in spans] == [c.logprobs for _, c in rec.calls]
+    assert traj.turns() == [tuple(s) for s in spans]       # the replaced reply's call went too
 
 
 def test_stop_strings_are_excluded_from_trainable_tokens(api_model_dir, tok):
@@ -613,6 +620,65 @@ def test_stop_strings_are_excluded_from_trainable_tokens(api_model_dir, tok):
         full = rec.calls[0][1]
         assert ids == full.token_ids[:len(ids)] and lps == full.logprobs[:len(ids)]
         assert len(ids) < len(full.token_ids) - 1
+
+
+def test_a_reply_cut_to_nothing_is_a_turn_and_per_turn_credit_stays_aligned(api_model_dir, tok):
+    """Two rollouts of one task, three calls each: tool call, answer, "Count." again. Rollout 0
+    asks its answer with stop=["The"]: the reply starts with it, so the server cuts it to no
+    tokens. That call is still a turn (with no trainable tokens): its rollout's three
+    turn_rewards line up with its calls, and turn_rloo and gigpo put each call's advantage on
+    that call's tokens (docs/algorithms.md's formulas, by hand)."""
+    async def rollout(server, rec, stop):
+        s = server.open_session(tok, rec, cold(tok), max_context=512)
+        client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
+        messages = [{"role": "user", "content": QUESTION}]
+        r = await client.chat.completions.create(model="p", messages=messages, tools=[TOOL])
+        (call,) = r.choices[0].message.tool_calls
+        messages += [r.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "7"}]
+        r = await client.chat.completions.create(model="p", messages=messages, tools=[TOOL],
+                                                 stop=stop)
+        answer = r.choices[0].message.content
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Count."}]
+        await client.chat.completions.create(model="p", messages=messages, tools=[TOOL])
+        await client.close()
+        return answer, server.close_session(s)
+
+    async def main():
+        server, rec = await started(), Recorder(HFEngine(str(api_model_dir)))
+        out = [await rollout(server, rec, stop) for stop in (["The"], None)]
+        await server.close()
+        return out, rec
+
+    ((empty, a), (answer, b)), rec = run(main())
+    assert (empty, answer) == ("", ANSWER) and len(rec.calls) == 6
+    assert decode(tok, rec.calls[1][1].token_ids).startswith("The")   # sampled, then cut
+    (s0, e0), (s1, e1), (s2, e2) = a.turns()
+    assert s1 == e1 and 0 < e0 - s0 and 0 < e2 - s2 and len(b.turns()) == 3
+    assert [i for s, e in a.turns() + b.turns() for i in range(s, e)] == [
+        i for t in (a, b) for i, m in enumerate(t.loss_mask) if m] and a.segments == [0]
+    b.rollout_id = 1
+    a.turn_rewards, b.turn_rewards = [0.5, 0.0, 1.0], [0.0, 1.0, 0.0]
+    a.reward, b.reward = 1.5, 1.0
+    for t in (a, b):
+        t.check(len(tok))
+    def rel(x: float, y: float) -> float:    # x against the pair {x, y}: GRPO's, unbiased std
+        return (x - (x + y) / 2) / (abs(x - y) / 2 ** 0.5 + 1e-6)
+
+    # turn_rloo (gamma 1): G_a = [1.5, 1, 1], G_b = [1, 1, 0], A_ik = G_ik - G_jk. gigpo (gamma
+    # 0.95): returns a [1.4025, 0.95, 1], b [0.95, 1, 0]; turns 0 and 1 share their history (the
+    # same tool call), turn 2 does not (the empty answer vs ANSWER): steps of one, A^S 0
+    ep, s0, s1 = rel(1.5, 1.0), rel(1.4025, 0.95), rel(0.95, 1.0)
+    expect = {"turn_rloo": [[0.5, 0.0, 1.0], [-0.5, 0.0, -1.0]],
+              "gigpo": [[ep + s0, ep + s1, ep], [-ep - s0, -ep - s1, -ep]]}
+    for name, fn in (("turn_rloo", turn_rloo_advantages), ("gigpo", gigpo_advantages)):
+        batch, _, _ = training_batch([a, b], fn, AlgorithmConfig(estimator=name), _ZeroCritic(),
+                                     1.0, tok.pad_token_id)
+        for i, t in enumerate((a, b)):
+            want = torch.zeros(batch["advantages"].shape[1])
+            for (s, e), x in zip(t.turns(), expect[name][i]):
+                want[s:e] = x
+            assert torch.allclose(batch["advantages"][i], want, atol=1e-5), name
 
 
 def test_sampling_mismatch_is_a_400_naming_the_recipe_key(tiny_model_dir, tok):

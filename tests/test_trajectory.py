@@ -66,3 +66,30 @@ def test_collate_never_shifts_a_row_of_the_wrong_length():
     b = collate([good(), good()], None)      # None: zero advantages, filled by the caller
     assert b["advantages"].shape == (2, 5) and not b["advantages"].any()
     assert b["behavior_logprobs"][1].tolist() == [0.0, 0.0, 0.0, -0.5, -1.0]
+
+
+def test_an_empty_model_call_is_a_turn_with_no_tokens_in_every_segment():
+    """A reply cut to nothing (it began with a stop string) is still a call: turns() keeps it,
+    in place, so per-call rewards stay aligned; segments carry their calls, the empty one at a
+    segment's end included, and two calls with nothing between stay two."""
+    t = good()                                          # call 0: [3, 5)
+    t.add_prompt([10])
+    t.add_completion(Completion([], [], []))            # call 1: empty, at 6
+    t.segments.append(len(t))                           # the template re-rendered the history
+    t.add_prompt([5, 6, 7, 8, 9, 10])
+    t.add_completion(Completion([11], [-0.1], [3]))     # call 2: [12, 13)
+    t.add_completion(Completion([12], [-0.2], [3]))     # call 3: right after, no prompt between
+    t.check(16)
+    assert t.turns() == [(3, 5), (6, 6), (12, 13), (13, 14)]
+    assert [s.turns() for s in t.split_segments()] == [[(3, 5), (6, 6)], [(6, 7), (7, 8)]]
+
+
+def test_trainable_tokens_outside_the_recorded_calls_are_rejected():
+    t = good()
+    t.loss_mask[4], t.calls[0] = True, [3, 4]           # a call span that lost a sampled token
+    with pytest.raises(InvariantError, match="position 4 has no sampling record"):
+        t.check(16)
+    t.calls[0] = [3, 9]                                 # past the end (a rollback kept the call)
+    with pytest.raises(InvariantError, match=r"calls \[\[3, 9\]\] are not ordered \[start, end\) "
+                                             "spans of its 5 tokens"):
+        t.check(16)

@@ -148,6 +148,7 @@ class ChatSession:
             del t.routed_experts[last.start:]
         t.truncated = last.truncated
         t.info["turn_spans"].pop()
+        t.calls.pop()
         t.info["resampled"] = t.info.get("resampled", 0) + 1
         if last.malformed:
             t.info["malformed_tool_calls"] -= 1
