@@ -1,8 +1,13 @@
 """GiGPO (Feng et al., 2025, "Group-in-Group Policy Optimization for LLM Agent Training"): GRPO's
 episode advantage plus omega times a step advantage, normalised within step groups: the turns,
-across a group's rollouts, that start from the same observation (token ids since the last call)."""
+across a group's rollouts, that start from the same state (`state_key`: the whole history before
+the call, or the tokens since the last call)."""
 
 from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Literal
 
 from molt_core import hookimpl
 from molt_core.advantage import Rollouts
@@ -31,24 +36,32 @@ def gigpo(rewards: torch.Tensor, turn_rewards: torch.Tensor, keys: torch.Tensor,
     return adv
 
 
-def step_keys(rollouts: Rollouts, group_index: torch.Tensor) -> torch.Tensor:
-    """[R, K] one id per (group, observation): the token ids from the end of the previous model
-    call (the start, for the first) to the start of this one; -1 past a rollout's turns."""
-    turns = [t.turns() for t in rollouts.trajectories]
+def step_keys(rollouts: Rollouts, group_index: torch.Tensor,
+              state_key: Literal["history", "last_reply"] = "history") -> torch.Tensor:
+    """[R, K] one id per (group, state) at each turn; -1 past a rollout's turns. The state:
+    `history`, every token before the call (a hash of the prefix: same ids, same context);
+    `last_reply`, the tokens from the end of the previous call (the start, for the first)."""
+    turns, whole = [t.turns() for t in rollouts.trajectories], state_key == "history"
     keys, ids = torch.full((len(turns), max(max(map(len, turns)), 1)), -1), {}
     for i, (t, spans) in enumerate(zip(rollouts.trajectories, turns)):
+        prefix, cut = hashlib.blake2b(), 0
         for k, (start, end) in enumerate(spans):
-            obs = (int(group_index[i]), tuple(t.token_ids[spans[k - 1][1] if k else 0:start]))
-            keys[i, k] = ids.setdefault(obs, len(ids))
+            part = array("q", t.token_ids[cut:start]).tobytes()
+            prefix.update(part)
+            keys[i, k] = ids.setdefault((int(group_index[i]), prefix.digest() if whole else part),
+                                        len(ids))
+            cut = start if whole else end
     return keys
 
 
 def gigpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, *, rollouts: Rollouts,
                      omega: float = 1.0, gamma: float = 0.95, norm_std: bool = True,
-                     eps: float = 1e-6) -> torch.Tensor:
-    """`gigpo` on the rollouts' per-call rewards (`Rollouts.turn_rewards`). [R] -> [R, K]"""
+                     eps: float = 1e-6, state_key: Literal["history", "last_reply"] = "history"
+                     ) -> torch.Tensor:
+    """`gigpo` on the rollouts' per-call rewards (`Rollouts.turn_rewards`) and step groups
+    (`step_keys`: docs/algorithms.md, GiGPO, for which `state_key` suits an env). [R] -> [R, K]"""
     turn_rewards, _ = rollouts.turn_rewards(rewards)
-    return gigpo(rewards, turn_rewards, step_keys(rollouts, group_index), group_index,
+    return gigpo(rewards, turn_rewards, step_keys(rollouts, group_index, state_key), group_index,
                  omega=omega, gamma=gamma, norm_std=norm_std, eps=eps)
 
 
