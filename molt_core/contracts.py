@@ -169,7 +169,8 @@ class Env(Protocol):
 @runtime_checkable
 class MetricSink(Protocol):
     """Gets every metrics row besides `metrics.jsonl` (`molt_metric_sinks`: `factory(run_dir,
-    cfg)`, one per `log.sinks` name), synchronously in the driver."""
+    cfg)`, one per `log.sinks` name), synchronously in the driver. Optional: `log_completions(step,
+    rows)`, each saved step's rollouts as rows {prompt, completion, reward, reference} (text)."""
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """The row's numeric entries (`time`, `elapsed_s` too; held-out rows: `eval/...`)."""

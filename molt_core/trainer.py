@@ -73,6 +73,7 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None, progress: 
                 with _timed(times, "time/weight_sync_s"):     # the push, then its canary
                     restarts.check_canary(version := scheme.sync_weights(step))
                 saved.write(step, trajs, policy)
+                sink.completions(step, trajs, tokenizer, cfg.log)
                 check_consistency(cfg, step, metrics, lambda: probe_consistency(
                     generator, policy, version, cfg.sampling.temperature))
                 log(step, {**metrics, **generator.counters, "version": version, **times,

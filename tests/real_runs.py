@@ -47,3 +47,21 @@ def history(run: Path) -> dict[str, list[tuple[int, float]]]:
             if "/" in k and isinstance(v, (int, float)):
                 out.setdefault(k, []).append((row["step"], v))
     return out
+
+
+def saved_completions(run: Path) -> dict[int, list[tuple]]:
+    """Per step, sorted (prompt, completion, reward) of the saved rollouts, decoded from the
+    stored token ids (prompt: up to the first trainable token): what a sink's completions
+    table should hold."""
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(run / "final")
+    out: dict[int, list[tuple]] = {}
+    for f in sorted((run / "trajectories").glob("*.parquet")):
+        for r in pq.read_table(f).to_pylist():
+            cut = r["loss_mask"].index(True)
+            out.setdefault(r["step"], []).append((
+                tok.decode(r["token_ids"][:cut], skip_special_tokens=True),
+                tok.decode(r["token_ids"][cut:], skip_special_tokens=True), r["reward"]))
+    return {s: sorted(rows) for s, rows in out.items()}

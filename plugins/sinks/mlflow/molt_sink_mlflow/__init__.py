@@ -44,6 +44,11 @@ class MlflowSink:
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, [Metric(k, v, now, step) for k, v in metrics.items()])
 
+    def log_completions(self, step: int, rows: list[dict]) -> None:
+        """Appended to the artifact `completions.json` (MLflow's table: Evaluation / Artifacts)."""
+        self.client.log_table(self.run_id, {"step": [step] * len(rows), **{
+            k: [r[k] for r in rows] for k in rows[0]}}, "completions.json")
+
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
 

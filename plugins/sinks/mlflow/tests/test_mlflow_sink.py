@@ -3,12 +3,15 @@ the resumed run continues the same MLflow run."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from mlflow import MlflowClient
 
 from molt_core.config import Config
 from molt_core.plugins import build_plugins
 from molt_sink_mlflow import MlflowConfig
-from real_runs import history
+from real_runs import history, saved_completions
 
 
 def test_a_real_run_and_its_resume_land_in_one_mlflow_run(sink_run, monkeypatch):
@@ -27,6 +30,13 @@ def test_a_real_run_and_its_resume_land_in_one_mlflow_run(sink_run, monkeypatch)
     for key, want in expected.items():
         got = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
         assert got == want, key
+    # each saved step's rollouts, appended to one table artifact (a step column added)
+    table = json.loads(Path(client.download_artifacts(run_id, "completions.json")).read_text())
+    assert table["columns"] == ["step", "prompt", "completion", "reward", "reference"]
+    got: dict = {}
+    for step, *row in table["data"]:
+        got.setdefault(step, []).append(tuple(row[:3]))
+    assert {s: sorted(rows) for s, rows in got.items()} == saved_completions(sink_run)
 
 
 def test_the_recipe_beats_the_environment(tmp_path, monkeypatch):

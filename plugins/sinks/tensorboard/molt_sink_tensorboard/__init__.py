@@ -1,4 +1,5 @@
-"""TensorBoard metric sink: event files in `RUN_DIR/tensorboard` (`tensorboard --logdir RUN_DIR`).
+"""TensorBoard metric sink: event files in `RUN_DIR/tensorboard` (`tensorboard --logdir RUN_DIR`);
+each saved step's rollouts in the Text tab (`completions`: prompt, completion, reward, reference).
 A resumed run writes to the same directory; steps it redoes replace the earlier ones."""
 
 from __future__ import annotations
@@ -19,6 +20,14 @@ class TensorBoardSink:
             self.writer = SummaryWriter(self.dir, purge_step=step or None)
         for k, v in metrics.items():
             self.writer.add_scalar(k, v, step)
+
+    def log_completions(self, step: int, rows: list[dict]) -> None:
+        """A Markdown table under the Text tab's `completions`."""
+        cell = lambda v: str(v).replace("|", "\\|").replace("\n", "<br>")     # noqa: E731
+        self.log(step, {})
+        self.writer.add_text("completions", "\n".join([f"| {' | '.join(rows[0])} |",
+                             "|---" * len(rows[0]) + "|", *(
+                             f"| {' | '.join(map(cell, r.values()))} |" for r in rows)]), step)
 
     def close(self) -> None:
         if self.writer is not None:

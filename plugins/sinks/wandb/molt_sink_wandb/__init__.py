@@ -1,5 +1,6 @@
 """Weights & Biases metric sink. Offline by default (no network; files in `RUN_DIR/wandb`,
-upload later with `wandb sync`); `wandb.mode: online` (or `WANDB_MODE=online`) logs live.
+upload later with `wandb sync`); `wandb.mode: online` (or `WANDB_MODE=online`) logs live. Each
+saved step's rollouts go to the table `completions` (prompt, completion, reward, reference).
 A key the recipe leaves empty falls back to W&B's own variable (`WANDB_PROJECT`, ...). The run id
 is kept in `RUN_DIR/wandb-run-id`, so `molt run --resume` continues the same W&B run."""
 
@@ -39,6 +40,11 @@ class WandbSink:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
+
+    def log_completions(self, step: int, rows: list[dict]) -> None:
+        import wandb
+        self.run.log({"completions": wandb.Table(columns=list(rows[0]), data=[
+            list(r.values()) for r in rows])}, step=step)
 
     def close(self) -> None:
         self.run.finish()

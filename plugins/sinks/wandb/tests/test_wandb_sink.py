@@ -15,7 +15,7 @@ from wandb.proto import wandb_internal_pb2 as pb
 from molt_core.config import Config
 from molt_core.plugins import build_plugins
 from molt_sink_wandb import WandbConfig
-from real_runs import history
+from real_runs import history, saved_completions
 
 
 def records(path: Path) -> list:
@@ -62,7 +62,16 @@ def test_a_real_run_and_its_resume_are_one_wandb_run(sink_run):
     for step, items in steps1 + steps2:
         for k, v in items.items():
             got.setdefault(k, []).append((step, v))
+    tables = {k: got.pop(k) for k in [k for k in got if k.startswith("completions/")]}
     assert got == history(sink_run)
+    # each saved step's rollouts: a W&B table (a file of the run, named in the history row)
+    expected = saved_completions(sink_run)
+    assert tables["completions/_type"] == [(s, "table-file") for s in sorted(expected)]
+    for step, path in tables["completions/path"]:
+        (path,) = sink_run.glob(f"wandb/offline-run-*/files/{path}")
+        table = json.loads(path.read_text())
+        assert table["columns"] == ["prompt", "completion", "reward", "reference"]
+        assert sorted((p, c, r) for p, c, r, _ in table["data"]) == expected[step], step
 
 
 def test_the_recipe_beats_the_environment(tmp_path, monkeypatch):
