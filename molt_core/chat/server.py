@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
@@ -280,6 +281,29 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
+def _quiet(record: logging.LogRecord) -> bool:
+    return "graceful shutdown exceeded" not in record.getMessage()    # what close() intends
+
+
+class _Protocol(H11Protocol):
+    """h11 with a deadline on each request line and headers (uvicorn's keep-alive timeout runs
+    only between requests, so a client stalled inside them held its socket forever)."""
+    head_timeout_s = 30.0
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._head_deadline()
+
+    def _head_deadline(self) -> None:
+        cycle = self.cycle      # still it, complete or None, when the timer fires: no new request
+        self.loop.call_later(self.head_timeout_s, lambda: self.cycle is cycle and (
+            cycle is None or cycle.response_complete) and self.timeout_keep_alive_handler())
+
+
 class ChatServer:
     """FastAPI app on 127.0.0.1:<random port>; sessions are opened and closed by the runner."""
 
@@ -306,8 +330,10 @@ class ChatServer:
         """Serve on the running loop (idempotent; concurrent callers wait for the same start)."""
         if self._started is None:
             self._started = asyncio.get_running_loop().create_future()
-            config = uvicorn.Config(self._app(), log_level="warning", access_log=False,
-                                    lifespan="off", ws="none", timeout_graceful_shutdown=1)
+            protocol = type("Protocol", (_Protocol,), {"head_timeout_s": self.body_timeout_s})
+            config = uvicorn.Config(self._app(), log_level="warning", access_log=False, ws="none",
+                                    lifespan="off", timeout_graceful_shutdown=1, http=protocol)
+            logging.getLogger("uvicorn.error").addFilter(_quiet)     # after Config's dictConfig
             self._server = _Uvicorn(config)
             self._task = asyncio.get_running_loop().create_task(
                 self._server.serve(sockets=[self._sock]))
@@ -322,7 +348,8 @@ class ChatServer:
         await asyncio.shield(self._started)
 
     async def close(self) -> None:
-        """Stop accepting, finish in-flight requests (1 s grace), release the socket."""
+        """Stop accepting, finish in-flight requests (1 s grace, then cancelled: the rollouts'
+        end, quietly), release the socket."""
         if self._server is not None and self._task is not None:
             self._server.should_exit = True
             with contextlib.suppress(Exception):
