@@ -1,7 +1,7 @@
 """`molt report RUN_DIR [RUN_DIR ...]`: PNG plots of runs' `metrics.jsonl` and an `index.html`
 showing them all. Several runs overlay (legend by run name); each series has its own colour, the
-raw values faint with an EMA on top (`--smoothing`, as W&B's); x by step or wall time. A plot
-without information (no data, every value the same, policy KL when `algorithm.terms.kl_coef` is
+raw values faint with an EMA on top (`--smoothing`, as W&B's) where a series has `SMOOTH_MIN`
+points or more (fewer: the raw values, marked); x by step or wall time. A plot without information (no data, every value the same, policy KL when `algorithm.terms.kl_coef` is
 0) is skipped and listed. Step time is a stacked breakdown, one panel per run."""
 
 from __future__ import annotations
@@ -17,12 +17,15 @@ import yaml
 
 from molt_core.run.metrics import namespaced
 
-__all__ = ["PLOTS", "STACK", "add_args", "ema", "main", "read_metrics", "write_report"]
+__all__ = ["PLOTS", "SMOOTH_MIN", "STACK", "add_args", "ema", "main", "read_metrics",
+           "write_report"]
 
-# plot -> (title, y label, metric keys; "eval/*" takes every key with that prefix)
+# plot -> (title, y label, metric keys; "eval/*" takes every key with that prefix that no plot
+# names: scores share a panel, seconds get their own)
 PLOTS: dict[str, tuple[str, str, list[str]]] = {
     "reward": ("Reward", "reward", ["reward/mean", "reward/max", "reward/min"]),
     "eval": ("Evaluation", "score", ["eval/*"]),
+    "eval_time": ("Evaluation time", "seconds", ["eval/time_s"]),
     "loss": ("Loss", "loss", ["train/loss"]),
     "grad_norm": ("Gradient norm (before clipping)", "L2 norm", ["train/grad_norm"]),
     "policy_kl": ("Policy KL to the reference", "nats / token", ["policy/kl_ref"]),
@@ -38,6 +41,8 @@ PLOTS: dict[str, tuple[str, str, list[str]]] = {
 }
 # the step-time stack: disjoint parts of time/step_s, the rest drawn as "other"
 STACK = ["time/generate_s", "train/fwd_bwd_s", "train/optim_s", "time/weight_sync_s"]
+NAMED = {k for _, _, keys in PLOTS.values() for k in keys if not k.endswith("*")}
+SMOOTH_MIN = 20     # an EMA over fewer points is mostly its start-up (0.59 where the raw was 0.1)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -73,8 +78,8 @@ def _keys(pattern: list[str], runs: dict[str, list[dict]]) -> list[str]:
     present = {k for rows in runs.values() for r in rows for k in r}
     out = []
     for p in pattern:
-        out += sorted(k for k in present if k.startswith(p[:-1])) if p.endswith("*") else \
-            [p] if p in present else []
+        out += sorted(k for k in present if k.startswith(p[:-1]) and k not in NAMED) \
+            if p.endswith("*") else [p] if p in present else []
     return out
 
 
@@ -116,7 +121,7 @@ def _line_plot(ax: Any, runs: dict, keys: list[str], x: str, smoothing: float) -
                 continue
             xs, ys = zip(*pts)
             colour, name = cmap(len(series) % cmap.N), f"{label}: {key}" if len(runs) > 1 else key
-            if smoothing > 0 and len(pts) > 2:
+            if smoothing > 0 and len(pts) >= SMOOTH_MIN:
                 ax.plot(xs, ys, color=colour, alpha=0.25, linewidth=1)
                 ax.plot(xs, ema(list(ys), smoothing), color=colour, linewidth=1.6, label=name)
             else:
@@ -208,7 +213,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="", help="output folder (default: RUN_DIR/report for one run, "
                                              "report-<first run> beside it for several)")
     p.add_argument("--smoothing", type=float, default=0.6,
-                   help="EMA weight in [0, 1) drawn over the faint raw series (0: raw only)")
+                   help="EMA weight in [0, 1) drawn over the faint raw series of "
+                        f"{SMOOTH_MIN} points or more (0: raw only)")
     p.add_argument("--x", choices=["step", "time"], default="step",
                    help="x axis: training step or wall time in minutes")
 
