@@ -12,6 +12,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ __all__ = ["SAFE_TO_CHANGE", "Checkpointer", "CheckpointError", "check_resume_co
            "rng_state", "set_rng_state"]
 
 log = structlog.get_logger("molt.checkpoint")
+REPEAT_S = 2.0      # a stop signal again within this is the same request (timeout, wrappers)
 
 # Config keys a resumed run may change: length, save cadence, timeouts, logging, placement.
 SAFE_TO_CHANGE = ("trainer.steps", "trainer.save_every", "trainer.keep_last", "trainer.timeout_s",
@@ -121,12 +123,16 @@ class Checkpointer:
                 self._handlers[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        """First SIGINT/SIGTERM: finish the step, checkpoint, stop. Second: abandon the step."""
+        """First SIGINT/SIGTERM: finish the step, checkpoint, stop. One within `REPEAT_S` is a
+        duplicate (timeout signals the run and its process group; wrappers forward it); a later
+        one abandons the step."""
         if self.stop_signal is not None:
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: step abandoned")
-        self.stop_signal = signum
-        log.warning("stopping", signal=signal.Signals(signum).name,
-                    plan="finish this step, save a checkpoint, stop (again: abandon the step)")
+            if time.monotonic() - self._stop_at > REPEAT_S:
+                raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: step abandoned")
+            return
+        self.stop_signal, self._stop_at = signum, time.monotonic()
+        log.warning("stopping", signal=signal.Signals(signum).name, plan="finish this step, "
+                    f"save a checkpoint, stop (again after {REPEAT_S:g} s: abandon the step)")
 
     def close(self) -> None:
         for sig, handler in self._handlers.items():
