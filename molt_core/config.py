@@ -256,9 +256,9 @@ def from_dict(cls: type, data: Any, where: str = "") -> Any:
     for key, value in data.items():
         path = f"{where}.{key}" if where else str(key)
         if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            raise ConfigError(f"unknown config key '{path}'; valid keys here: {', '.join(names)}"
-                              + (f". Did you mean '{close[0]}'?" if close else ""))
+            close = difflib.get_close_matches(str(key), names, n=1)     # the hint first
+            raise ConfigError(f"unknown config key '{path}'; " + (f"did you mean '{close[0]}'? "
+                              if close else "") + f"valid keys here: {', '.join(names)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = from_dict(tp, value if value is not None else {}, path)

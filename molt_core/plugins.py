@@ -71,11 +71,12 @@ class Plugins:
         if name not in entries:
             valid = ", ".join(sorted(entries)) or "(none)"
             hint = f"; blocked plugins: {', '.join(self.blocked)}" if self.blocked else ""
-            close = difflib.get_close_matches(name, entries, n=1)
-            fix = f"Did you mean '{close[0]}'?" if close else (
-                f"Install the plugin that provides it (e.g. pip install molt-"
-                f"{kind.replace('_', '-')}-{name}) or fix the name in the recipe")
-            raise PluginError(f"unknown {kind} '{name}'; valid: {valid}{hint}. {fix}")
+            if close := difflib.get_close_matches(name, entries, n=1):   # the hint first
+                raise PluginError(f"unknown {kind} '{name}'; did you mean '{close[0]}'? valid: "
+                                  f"{valid}{hint}")
+            raise PluginError(f"unknown {kind} '{name}'; valid: {valid}{hint}. Install the plugin "
+                              f"that provides it (e.g. pip install molt-{kind.replace('_', '-')}-"
+                              f"{name}) or fix the name in the recipe")
         if load and isinstance(entries[name], str):    # "module:attr", imported on first use
             module, attr = entries[name].split(":")
             entries[name] = getattr(importlib.import_module(module), attr)

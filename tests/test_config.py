@@ -46,7 +46,8 @@ def test_exponent_floats_without_a_dot(recipe, tmp_path):
 
 
 @pytest.mark.parametrize("change, override, message", [
-    ({}, "trainer.stepz=3", "unknown config key 'trainer.stepz'; valid keys here: backend"),
+    ({}, "trainer.stepz=3", "unknown config key 'trainer.stepz'; did you mean 'steps'? valid "
+                            "keys here: backend"),
     ({}, "trainer.steps=abc", "config key 'trainer.steps' must be int, got 'abc'"),
     ({}, "trainer.steps=0", "trainer.steps must be > 0"),
     ({}, "model.path=/nonexistent/model", "model.path '/nonexistent/model' has no config.json"),
