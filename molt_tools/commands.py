@@ -48,6 +48,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 
 
 R = "recipes/cpu/next_letter.yaml"
+CALC = ("  (its model, built once: python -m molt_tools.calculator_model "
+        ".cache/tiny-qwen3-calculator)")
 EXAMPLES: dict[str, list[str]] = {
     "run": [f"molt run {R} trainer.steps=50 seed=1", "molt run --resume runs/next_letter-20261201-120000"],
     "validate": [f"molt validate {R} algorithm.estimator=rloo"],
@@ -60,8 +62,8 @@ EXAMPLES: dict[str, list[str]] = {
     "new-plugin": ["molt new-plugin --kind estimator my_adv"],
     "pretrained": ["molt pretrained smollm2-135m-instruct .cache/smollm2-135m-instruct"],
     "eval": [f"molt eval RUN_DIR/final recipes/cpu/addition.yaml eval.prompts=64"],
-    "serve": ["molt serve recipes/cpu/chat_calculator.yaml --port 8000"],
-    "rollout": ["molt rollout recipes/cpu/chat_calculator.yaml -n 4"],
+    "serve": ["molt serve recipes/cpu/chat_calculator.yaml --port 8000", CALC],
+    "rollout": ["molt rollout recipes/cpu/chat_calculator.yaml -n 4", CALC],
     "export": ["molt export RUN_DIR hf-model"],
 }
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

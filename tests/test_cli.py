@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
 import sys
@@ -327,3 +328,20 @@ def test_log_level_from_env_and_flags(monkeypatch):
     monkeypatch.setenv("MOLT_LOG_LEVEL", "warning")
     assert parse(["plugins"]).log_level == "WARNING"
     assert parse(["plugins", "-v"]).log_level == "INFO"
+
+
+def test_where_chat_calculator_is_served_its_model_build_is_shown(capsys):
+    """recipes/cpu/chat_calculator.yaml's model is built by a tool first (only the recipe's
+    comment said so): every code block and help text that serves or rolls it out shows how."""
+    build = "python -m molt_tools.calculator_model .cache/tiny-qwen3-calculator"
+    shown = 0
+    for page in ("README.md", "docs/agents.md"):
+        for block in (ROOT / page).read_text().split("```")[1::2]:
+            if re.search(r"molt (serve|rollout) recipes/cpu/chat_calculator", block):
+                assert build in block, f"{page}:\n{block}"
+                shown += 1
+    assert shown >= 2
+    for name in ("serve", "rollout"):
+        with pytest.raises(SystemExit):
+            parse([name, "-h"])
+        assert build in capsys.readouterr().out, name
