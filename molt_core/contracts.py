@@ -14,10 +14,9 @@ if TYPE_CHECKING:
 
     from molt_core.config import TrainerConfig
     from molt_core.policy.objective import TrainStep
-    from molt_core.weight_sync import Meta
 
 __all__ = ["Agent", "Engine", "Env", "MetricSink", "Observation", "RolloutContext",
-           "RolloutScheme", "TrainerBackend"]
+           "RolloutGenerator", "RolloutScheme", "TrainerBackend", "WeightPusher"]
 
 Observation = str | list[dict]      # a user message, or chat messages (content may hold images)
 
@@ -37,8 +36,8 @@ class RolloutContext:
 class Engine(Protocol):
     """A rollout engine (`molt_engines`). The core runs it as a Ray actor (`ray.remote(cls)`), or
     embedded as an `actors.LocalActor`, and calls every method by `.remote()`; a failed call
-    raises, a dead actor is replaced. Optional:
-    `async rng_state()` / `set_rng_state(state)`, the sampling RNG kept in checkpoints."""
+    raises, a dead actor is replaced. Optional: `async rng_state()` / `set_rng_state(state)`, the
+    sampling RNG kept in checkpoints; transports `broadcast` and `shm`: `weight_sync.Receiver`."""
 
     def __init__(self, model_path: str, *, dtype: str, max_batch_size: int, seed: int,
                  num_threads: int) -> None:
@@ -71,19 +70,6 @@ class Engine(Protocol):
 
     async def get_version(self) -> int:
         """The version served (0 before any update); also the core's readiness probe."""
-
-    async def weight_group_info(self) -> tuple[int, str]:
-        """Transports `broadcast`, `shm`: (ranks this engine adds to the group, its node IP)."""
-
-    async def join_weight_group(self, host: str, port: int, rank: int, world_size: int,
-                                backend: str, timeout_s: float) -> None:
-        """`broadcast`: its i-th rank joins as `weight_sync.WeightGroup(.., rank + i, ..)`."""
-
-    async def receive_weights(self, metas: list[Meta], version: int) -> None:
-        """`broadcast`: one bucket from trainer rank 0 (`WeightGroup.receive`), loaded likewise."""
-
-    async def receive_shm(self, path: str, nbytes: int, metas: list[Meta], version: int) -> None:
-        """`shm`: one bucket from a `weight_sync.ShmChannel` file (`unpack`), loaded likewise."""
 
 
 @runtime_checkable
@@ -132,17 +118,55 @@ class TrainerBackend(Protocol):
 @runtime_checkable
 class RolloutScheme(Protocol):
     """When rollouts run and weights move (`molt_rollout_schemes`): `factory(cfg, generator,
-    policy, engines)` once per run. Optional: `refill(n) -> list[list[Trajectory]]`, n more
-    groups for `molt_filter_batch` (default `generator.generate`)."""
+    weights, engines)` once per run (a `RolloutGenerator`, a `WeightPusher`, the engine actors:
+    `pause`, `resume`). Optional: `refill(n) -> list[list[Trajectory]]`, n more groups for
+    `molt_filter_batch` (default `generator.generate`)."""
 
-    version: int        # the weights trained next; checkpoints restore it, new engines get it
+    version: int        # the weights trained next; checkpoints restore it
 
     def next_batch(self, step: int) -> list[list[Trajectory]]:
         """The step's complete groups (`rollout.groups_per_step`), at the start of the step."""
 
     def sync_weights(self, step: int) -> int:
-        """After the step's update: `policy.push_weights(engines, version)` when the scheme
-        decides (engines that die are replaced there); returns `version`."""
+        """After the step's update: `weights.push(version)` when the scheme decides; returns
+        `version`."""
+
+
+class RolloutGenerator(Protocol):
+    """What a rollout scheme gets as `generator` (`rollout.generator.Generator`): fresh groups,
+    or those of the pool (`rollout.pool`); every call blocks."""
+
+    counters: dict[str, float]      # the run's counters, logged each step
+
+    def generate(self, num_groups: int) -> list[list[Trajectory]]:
+        """`num_groups` fresh complete groups."""
+
+    def start_pool(self, max_groups: int) -> None:
+        """From now on keep up to `max_groups` groups running or finished-and-waiting."""
+
+    def take(self, n: int) -> list[list[Trajectory]]:
+        """The pool's first `n` finished groups, oldest first."""
+
+    def advance(self, version: int, groups: int, lag: int, split: bool = False) -> None:
+        """The deterministic pool: batch j (`groups` groups) starts once `version` >= j - lag is
+        on the engines (`split`: its engine calls stop halfway until version j - lag + 1 is)."""
+
+    def drain(self) -> None:
+        """The deterministic pool's batch finished or, split, parked at its split."""
+
+    def hold_requests(self) -> None:
+        """Engine requests already sent finish; new ones wait for `release_requests`."""
+
+    def release_requests(self) -> None:
+        """Undo `hold_requests`."""
+
+
+class WeightPusher(Protocol):
+    """What a rollout scheme pushes the weights with (`rollout.restarts.EngineRestarts`)."""
+
+    def push(self, version: int) -> None:
+        """The trainer's weights to every engine as `version`; an engine that died is replaced
+        and loaded, and the push redone."""
 
 
 @runtime_checkable

@@ -38,12 +38,13 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None, progress: 
     torch.manual_seed(cfg.seed)
     with cluster.start(cfg, plugins) as (policy, engines):
         generator = Generator(agent, engines, cfg, tokenizer, vocab_size)
-        # the scheme pushes weights through `restarts`, which replaces engines that die
-        restarts = EngineRestarts(cfg, plugins, generator, policy, lambda: scheme.version)
-        scheme = plugins.get("rollout_scheme", cfg.rollout.scheme)(cfg, generator, restarts,
+        weights = EngineRestarts(cfg, plugins, generator, policy)   # replaces engines that die
+        scheme = plugins.get("rollout_scheme", cfg.rollout.scheme)(cfg, generator, weights,
                                                                    engines)
         ckpt = Checkpointer(cfg, run_dir, policy, engines, generator, scheme, plugins)
         start, version = ckpt.restore(resume)    # version: the weights being trained
+        if version:                              # resumed: the engines serve them too
+            weights.push(version)
         sink = MetricsSink(run_dir, cfg.trainer.steps, progress,
                            [plugins.get("metric_sink", s)(run_dir, cfg) for s in cfg.log.sinks])
         saved = TrajectoryWriter(run_dir, tokenizer, cfg.log.trajectories_every,
@@ -71,7 +72,8 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None, progress: 
                     metrics = policy.train(batch, train_step(cfg, plugins, step, version))
                 metrics.update(rollout_metrics(trajs, adv, version), **adv_metrics)
                 with _timed(times, "time/weight_sync_s"):     # the push, then its canary
-                    restarts.check_canary(version := scheme.sync_weights(step))
+                    version = scheme.sync_weights(step)
+                    weights.check_canary(version)
                 saved.write(step, trajs, policy)
                 sink.completions(step, trajs, tokenizer, cfg.log)
                 check_consistency(cfg, step, metrics, lambda: probe_consistency(

@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 import torch
@@ -21,8 +21,8 @@ import torch.distributed as dist
 from molt_core.run import actors
 from molt_core.run.cluster import rendezvous
 
-__all__ = ["Meta", "ShmChannel", "WeightGroup", "WeightMismatchError", "WeightSyncError",
-           "checksums", "connect", "pack", "push", "send", "unpack"]
+__all__ = ["Meta", "Receiver", "ShmChannel", "WeightGroup", "WeightMismatchError",
+           "WeightSyncError", "checksums", "connect", "pack", "push", "send", "unpack"]
 
 Meta = tuple[str, str, list[int], int]          # name, dtype ("float32"), shape, byte offset
 _ALIGN = 64
@@ -35,6 +35,24 @@ class WeightSyncError(RuntimeError):
 
 class WeightMismatchError(WeightSyncError):
     """An engine holds other weights than the trainer sent (checksum or canary)."""
+
+
+class Receiver(Protocol):
+    """What an engine (`contracts.Engine`) adds for transports `broadcast` and `shm`; each bucket
+    is loaded as `update_weights` loads it."""
+
+    async def weight_group_info(self) -> tuple[int, str]:
+        """(ranks this engine adds to the `broadcast` group, its node IP)."""
+
+    async def join_weight_group(self, host: str, port: int, rank: int, world_size: int,
+                                backend: str, timeout_s: float) -> None:
+        """`broadcast`: its i-th rank joins as `WeightGroup(.., rank + i, ..)`."""
+
+    async def receive_weights(self, metas: list[Meta], version: int) -> None:
+        """`broadcast`: one bucket from trainer rank 0 (`WeightGroup.receive`)."""
+
+    async def receive_shm(self, path: str, nbytes: int, metas: list[Meta], version: int) -> None:
+        """`shm`: one bucket from a `ShmChannel` file (`unpack`)."""
 
 
 def push(workers: list, engines: list, version: int, bucket_bytes: int, timeout_s: float,

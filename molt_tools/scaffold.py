@@ -256,8 +256,8 @@ __all__ = ["{cls}"]
 
 
 class {cls}:
-    def __init__(self, cfg: Any, generator: Any, policy: Any, engines: list[Any]) -> None:
-        self.cfg, self.generator, self.policy, self.engines = cfg, generator, policy, engines
+    def __init__(self, cfg: Any, generator: Any, weights: Any, engines: list[Any]) -> None:
+        self.cfg, self.generator, self.weights, self.engines = cfg, generator, weights, engines
         self.version = 0
 
     def next_batch(self, step: int) -> list[list[Trajectory]]:
@@ -268,18 +268,19 @@ class {cls}:
         """Called after each optimizer step; push weights when the scheme decides. Returns the
         weight version the engines now serve."""
         self.version += 1
-        self.policy.push_weights(self.engines, self.version)
+        self.weights.push(self.version)
         return self.version
 
 
 @hookimpl
 def molt_rollout_schemes() -> dict:
-    """Register under the plugin's name; `factory(cfg, generator, policy, engines)`."""
+    """Register under the plugin's name; `factory(cfg, generator, weights, engines)`."""
     return {{"{name}": {cls}}}
 '''
 
 _ROLLOUT_TEST = '''\
-"""{name}: the scheme's call order against a fake generator and policy (stand-ins, named so)."""
+"""{name}: the scheme's call order against a fake generator and weight pusher (stand-ins, named
+so)."""
 
 from __future__ import annotations
 
@@ -297,17 +298,17 @@ class FakeGenerator:
         return [["trajectory"]] * n
 
 
-class FakePolicy:
+class FakeWeights:
     def __init__(self):
         self.pushed = []
 
-    def push_weights(self, engines, version):
+    def push(self, version):
         self.pushed.append(version)
 
 
 def test_generate_then_push_each_step():
     cfg = SimpleNamespace(rollout=SimpleNamespace(groups_per_step=3))
-    gen, pol = FakeGenerator(), FakePolicy()
+    gen, pol = FakeGenerator(), FakeWeights()
     scheme = {module}.{cls}(cfg, gen, pol, engines=[])
     for step in range(2):
         assert len(scheme.next_batch(step)) == 3

@@ -140,7 +140,7 @@ def test_max_staleness_never_trains_an_older_token(tiny_model_dir, k):
     cfg = scheme_cfg(tiny_model_dir, f"rollout.max_staleness={max(k, 1)}")
     cfg.rollout.max_staleness = k   # 0 is rejected at config time for async; the bound holds
     pool = OldPool([[0, 0], [1, 2], [3, 3], [2, 3], [5, 5], [4, 5], [0, 5]], fresh=5)
-    scheme = AsyncScheme(cfg, pool, policy=None, engines=[])
+    scheme = AsyncScheme(cfg, pool, weights=None, engines=[])
     scheme.version = 5
     batch = scheme.next_batch(0)
     assert len(batch) == 3

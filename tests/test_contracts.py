@@ -5,12 +5,13 @@ implementations that do not."""
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 from types import SimpleNamespace
 from typing import Any, Callable
 
 import pytest
 
-from molt_core import contracts
+from molt_core import contracts, weight_sync
 from molt_core.config import Config
 from molt_core.plugins import build_plugins
 
@@ -82,6 +83,7 @@ def test_engines():
 
     for cls in (HFEngine, VLLMEngine):
         assert check(cls, contracts.Engine) == [], cls
+        assert check(cls, weight_sync.Receiver) == [], cls       # transports broadcast, shm
 
 
 def test_registered_engines(plugins):
@@ -108,6 +110,38 @@ def test_rollout_schemes(plugins):
         assert isinstance(scheme, contracts.RolloutScheme)
         if hasattr(scheme, "refill"):       # optional: what batch filters get as `refill`
             assert list(inspect.signature(scheme.refill).parameters) == ["n"], name
+
+
+class _Only:
+    """A stand-in with `proto`'s members alone: it records each call (`returns[name](*args)`
+    answers it); any other attribute raises."""
+
+    def __init__(self, proto: type, **returns: Callable) -> None:
+        self._names = {n for n in vars(proto) if not n.startswith("_")} | set(
+            vars(proto).get("__annotations__", {}))
+        self.calls: list[tuple] = []
+        self._returns = returns
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in self._names:
+            raise AttributeError(f"{name!r}: not in the contract")
+        return lambda *args: (self.calls.append((name, *args)),
+                              self._returns.get(name, lambda *a: None)(*args))[1]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_shipped_schemes_call_only_the_contracts(plugins, deterministic):
+    """A step of each shipped scheme (its batch, its sync) against a generator and a weight
+    pusher with the members of `RolloutGenerator` and `WeightPusher` alone."""
+    groups = lambda n: [[SimpleNamespace(loss_mask=[True], versions=[0])]] * n   # noqa: E731
+    for name, factory in _shipped(plugins, "rollout_scheme"):
+        cfg = Config()
+        cfg.rollout.deterministic, cfg.rollout.max_staleness = deterministic, 1
+        gen = _Only(contracts.RolloutGenerator, generate=groups, take=groups)
+        gen.counters, weights = Counter(), _Only(contracts.WeightPusher)
+        scheme = factory(cfg, gen, weights, [])
+        assert len(scheme.next_batch(0)) == cfg.rollout.groups_per_step, name
+        assert scheme.sync_weights(0) == 1 and weights.calls == [("push", 1)], name
 
 
 def test_agents_and_envs(plugins):

@@ -15,6 +15,7 @@ from molt_core.cli import load
 from molt_core.config import TrainerConfig
 from molt_core.engines.hf import HFEngine
 from molt_core.rollout.generator import Generator
+from molt_core.rollout.restarts import EngineRestarts
 from molt_core.policy.logprobs import token_logprobs
 from molt_core.policy.handle import Policy
 from molt_core.policy.objective import TrainStep
@@ -100,7 +101,7 @@ def test_partial_rollout_switches_versions_inside_a_response(ray_local, tiny_mod
     agent = CountingAgent(tok)
     gen = Generator(agent, [engine], cfg, tok, vocab)
     try:
-        scheme = PartialScheme(cfg, gen, policy, [engine])
+        scheme = PartialScheme(cfg, gen, EngineRestarts(cfg, None, gen, policy), [engine])
         first = scheme.next_batch(0)                        # 4 groups ran in one wave; 2 taken
         assert {v for g in first for t in g for v in t.versions if v >= 0} == {0}
         # The first wave is 8 responses of exactly 480 tokens (no stop token); once the count

@@ -70,7 +70,7 @@ def setup(ray_local, tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     generator = Generator(None, [engine], cfg, tokenizer, len(tokenizer))
     assert ray.get(engine.get_version.remote(), timeout=300) == 0
-    yield EngineRestarts(cfg, None, generator, policy, lambda: 0), engine
+    yield EngineRestarts(cfg, None, generator, policy), engine
     generator.close()
     policy.shutdown()
     ray.get(engine.shutdown.remote(), timeout=60)
@@ -80,7 +80,7 @@ def setup(ray_local, tiny_model_dir):
 def test_clean_syncs_pass_both_checks(setup):
     restarts, _ = setup
     for version in (1, 2):
-        stats = restarts.push_weights(restarts.engines, version)
+        stats = restarts.push(version)
         assert stats["buckets"] > 3 and PARAM in restarts.sent
         restarts.check_canary(version)
     counters = restarts.gen.counters
@@ -96,11 +96,11 @@ def test_a_corrupted_bucket_fails_its_sync_by_checksum(ray_local, setup):
     try:
         with pytest.raises(WeightMismatchError, match=r"version 3: engine 0 .* 1 parameter\(s\), "
                            r"first 'model.norm.weight' of bucket \d+"):
-            restarts.push_weights(restarts.engines, 3)
+            restarts.push(3)
         assert restarts.gen.counters["faults/weight_sync_mismatches"] == 1   # pushed twice
     finally:
         ray_local.get(engine.corrupt.remote(""))
-    restarts.push_weights(restarts.engines, 3)      # healed: the next push is clean
+    restarts.push(3)      # healed: the next push is clean
     restarts.check_canary(3)
 
 
@@ -110,7 +110,7 @@ def test_a_parameter_changed_by_the_load_fails_the_canary(ray_local, setup):
     ray_local.get(engine.corrupt.remote("load"))
     before = restarts.gen.counters["faults/weight_sync_mismatches"]
     try:
-        restarts.push_weights(restarts.engines, 4)       # the checksums pass
+        restarts.push(4)       # the checksums pass
         with pytest.raises(WeightMismatchError, match=r"version 4: engine 0 .* canary text up "
                            r"to [\d.e+-]+ away .* bucket checksums matched"):
             restarts.check_canary(4)

@@ -1,10 +1,11 @@
 """Engine restarts and verified syncs (docs/scaling.md, "Weight sync"): a dead engine actor is
-replaced and loaded with the trainer's weights; the trainer hands `EngineRestarts` to the scheme
-as its `policy`, so a push that meets a dead engine is redone under the scheme's conditions."""
+replaced and loaded with the trainer's weights; `EngineRestarts` is the scheme's weight pusher
+(`contracts.WeightPusher`), so a push that meets a dead engine is redone under the scheme's
+conditions."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import ray
 import structlog
@@ -25,30 +26,29 @@ class EngineDiedError(RuntimeError):
 
 
 class EngineRestarts:
-    """Replaces dead engine actors (same options), `engine.max_restarts` times per run
-    (`faults/engine_restarts`): while the driver waits for rollouts (loaded with `version()`),
-    and when a push meets one."""
+    """Pushes the trainer's weights and replaces dead engine actors (same options),
+    `engine.max_restarts` times per run (`faults/engine_restarts`): while the driver waits for
+    rollouts (loaded with the version last pushed), and when a push meets one."""
 
-    def __init__(self, cfg: Config, plugins: Any, generator: Any, policy: Any,
-                 version: Callable[[], int]) -> None:
+    def __init__(self, cfg: Config, plugins: Any, generator: Any, policy: Any) -> None:
         self.cfg, self.plugins, self.gen, self.policy = cfg, plugins, generator, policy
         self.engines = generator.client.engines        # the run's list: replaced in place
-        generator.on_engine_death(lambda dead: self.revive(dead, version()))
+        self.version = 0                               # on the engines
+        generator.on_engine_death(lambda dead: self.revive(dead, self.version))
         generator.counters.setdefault("faults/engine_restarts", 0)
         generator.counters.setdefault("faults/weight_sync_mismatches", 0)
         self.sent: dict[str, int] = {}          # the last push's checksums, by parameter
 
-    def __getattr__(self, name: str) -> Any:    # the rest of what a scheme asks of its policy
-        return getattr(self.policy, name)
-
-    def push_weights(self, engines: list[Any], version: int) -> Any:
+    def push(self, version: int) -> Any:
+        """To every engine; a checksum mismatch is pushed once more. Rank 0's stats."""
         from molt_core.weight_sync import WeightMismatchError, WeightSyncError   # imports torch
+        self.version = version
         try:
-            return self._push(engines, version)
+            return self._push(version)
         except WeightMismatchError as e:
             log.warning("weight_sync_mismatch", error=str(e), version=version)
             self.gen.counters["faults/weight_sync_mismatches"] += 1
-            return self._push(engines, version)
+            return self._push(version)
         except (WeightSyncError, ray.exceptions.RayActorError):
             dead = dict(self.gen.client.dead)
             for i, e in enumerate(self.engines):
@@ -81,8 +81,8 @@ class EngineRestarts:
             self.gen.client.dead.pop(i, None)
         self.gen.release_requests()
 
-    def _push(self, engines: list[Any], version: int) -> Any:
-        stats = self.policy.push_weights(engines, version)
+    def _push(self, version: int) -> Any:
+        stats = self.policy.push_weights(self.engines, version)
         self.sent.update((stats or {}).get("checksums", {}))
         return stats
 
@@ -108,7 +108,7 @@ class EngineRestarts:
             if attempt == 0:
                 log.warning("weight_sync_canary_mismatch", engines=bad, gap=float(gaps.max()))
                 self.gen.counters["faults/weight_sync_mismatches"] += 1
-                self.push_weights(self.engines, version)
+                self.push(version)
         i = bad[0]
         where = "its bucket checksums matched the trainer's: the bytes arrived intact"
         if hasattr(engines[i], "weight_checksums"):

@@ -140,7 +140,8 @@ class Checkpointer:
         self._handlers = {}
 
     def restore(self, path: Path | None) -> tuple[int, int]:
-        """Load `path` (a checkpoint dir) if given; returns (first step to run, weight version)."""
+        """Load `path` (a checkpoint dir) if given; returns (first step to run, weight version:
+        the caller pushes it to the engines)."""
         if path is None:
             return 0, 0
         path = resolve(path)
@@ -148,8 +149,6 @@ class Checkpointer:
         self.policy.load_checkpoint(str(path), state["critic"])
         self.policy.nonfinite_steps = state.get("nonfinite_steps", 0)
         self.version = state["version"]
-        if self.version:
-            self.policy.push_weights(self.engines, self.version)
         for e, rng in zip(self.engines, state["engine_rng"]):
             if rng is not None and hasattr(e, "set_rng_state"):
                 actors.get(e.set_rng_state.remote(rng), timeout=self.cfg.engine.timeout_s)

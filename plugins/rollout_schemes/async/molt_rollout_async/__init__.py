@@ -18,8 +18,8 @@ __all__ = ["AsyncScheme", "configure"]
 class AsyncScheme:
     split = False                              # deterministic: calls stop at a split (partial)
 
-    def __init__(self, cfg: Any, generator: Any, policy: Any, engines: list[Any]) -> None:
-        self.cfg, self.generator, self.policy, self.engines = cfg, generator, policy, engines
+    def __init__(self, cfg: Any, generator: Any, weights: Any, engines: list[Any]) -> None:
+        self.cfg, self.generator, self.weights, self.engines = cfg, generator, weights, engines
         self.version = 0                       # the weights the trainer trains next
         r = cfg.rollout
         self.pool_size = r.groups_per_step * (r.max_staleness + 1) if r.deterministic else \
@@ -50,17 +50,14 @@ class AsyncScheme:
         self.version += 1
         if self.cfg.rollout.deterministic:
             self.generator.drain()
-            self.push()
+            self.weights.push(self.version)
             return self.version
         self.generator.hold_requests()
         try:
-            self.push()
+            self.weights.push(self.version)
         finally:
             self.generator.release_requests()
         return self.version
-
-    def push(self) -> None:
-        self.policy.push_weights(self.engines, self.version)
 
 
 def configure(cfg: Config, scheme: str) -> None:

@@ -22,7 +22,7 @@ class PartialScheme(AsyncScheme):
         self.version += 1
         try:       # the pause inside: an engine that died must not leave the others paused
             self._each("pause")
-            self.push()             # a dead engine is replaced there, the push redone
+            self.weights.push(self.version)   # a dead engine is replaced there, the push redone
         finally:
             self._each("resume")
         return self.version

@@ -11,8 +11,8 @@ __all__ = ["SyncScheme"]
 
 
 class SyncScheme:
-    def __init__(self, cfg: Any, generator: Any, policy: Any, engines: list[Any]) -> None:
-        self.cfg, self.generator, self.policy, self.engines = cfg, generator, policy, engines
+    def __init__(self, cfg: Any, generator: Any, weights: Any, engines: list[Any]) -> None:
+        self.cfg, self.generator, self.weights = cfg, generator, weights
         self.version = 0
 
     def next_batch(self, step: int) -> list[list[Trajectory]]:
@@ -20,7 +20,7 @@ class SyncScheme:
 
     def sync_weights(self, step: int) -> int:
         self.version += 1
-        self.policy.push_weights(self.engines, self.version)
+        self.weights.push(self.version)
         return self.version
 
 
