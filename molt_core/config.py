@@ -90,9 +90,14 @@ class TrainerConfig:
     steps: int = 100                     # optimizer steps (one rollout batch each)
     save_every: int = 0                  # checkpoint every N steps (0: only at the end)
     keep_last: int = 2                   # checkpoints kept (older ones are deleted)
-    lr: float = 1e-3                     # AdamW learning rate
-    weight_decay: float = 0.0            # AdamW weight decay
+    lr: float = 1e-3                     # AdamW learning rate (lr_schedule's peak; train/lr)
+    # lr over the run's optimizer steps (steps x mini_batches x epochs), after warmup_steps from
+    # 0: constant, linear to 0 (TRL's default) or cosine to 0 (HF's get_*_schedule_with_warmup)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0                # optimizer steps of linear warmup from 0 to lr
+    weight_decay: float = 0.0            # AdamW weight decay; none on biases and norm weights (HF)
     betas: list = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
+    eps: float = 1e-8                    # AdamW epsilon
     grad_clip: float = 1.0               # max total gradient norm
     micro_batch_size: int = 64           # sequences per forward/backward on one rank
     # Optimizer steps per rollout batch = mini_batches * epochs (each epoch splits the batch's rows

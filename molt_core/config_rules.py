@@ -32,6 +32,7 @@ def validate(cfg: Config) -> None:
         (t.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1"),
         (t.lr > 0, f"trainer.lr must be > 0 (got {t.lr})"),
         (t.grad_clip > 0, f"trainer.grad_clip must be > 0 (got {t.grad_clip})"),
+        (t.warmup_steps >= 0 and t.eps > 0, "trainer.warmup_steps must be >= 0, trainer.eps > 0"),
         (len(t.betas) == 2 and all(type_ok(b, float) and 0 <= b < 1 for b in t.betas),
          f"trainer.betas must be two numbers in [0, 1) (got {t.betas})"),
         (re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", cfg.name),

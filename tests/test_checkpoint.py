@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from transformers import get_cosine_schedule_with_warmup
 
 from molt_core.run import checkpoint
 from molt_core.cli import load
@@ -66,9 +67,10 @@ def _state(ckpt: Path) -> dict:
 
 def test_resume_after_kill_is_bit_identical_sync(ray_local, tiny_chars_dir, tmp_path):
     """8 steps straight == 4 steps, kill -9 inside the next checkpoint write, --resume, 4 more:
-    parameters, AdamW state and metrics rows identical; the torn write left step 4 usable.
+    parameters, AdamW state, the lr schedule's position (cosine, warmup 3: step 4 is mid-decay)
+    and metrics rows identical; the torn write left step 4 usable.
     kill_plugin's molt_state_dict / molt_load_state_dict carry its counter across the resume."""
-    recipe = _recipe(tmp_path, tiny_chars_dir)
+    recipe = _recipe(tmp_path, tiny_chars_dir, trainer={"lr_schedule": "cosine", "warmup_steps": 3})
     cfg, plugins = load(recipe, [f"out_dir={tmp_path / 'a'}"])
     straight = tmp_path / "a" / "run"
     straight.mkdir(parents=True)
@@ -95,6 +97,14 @@ def test_resume_after_kill_is_bit_identical_sync(ray_local, tiny_chars_dir, tmp_
     assert differ == []
     assert _rows(run) == _rows(straight)
     assert [r["step"] for r in _rows(run)] == list(range(8))
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.trainer.lr)
+    cosine = get_cosine_schedule_with_warmup(opt, 3, 8)
+    lrs = []
+    for _ in range(8):                     # HF's cosine schedule, the lr each step used
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        cosine.step()
+    assert [r["train/lr"] for r in _rows(run)] == lrs and lrs[4] < lrs[3] == cfg.trainer.lr
     meta = json.loads((run / "meta.json").read_text())
     assert meta["resumed"][0]["checkpoint"].endswith("step_000004")
 

@@ -147,7 +147,7 @@ class Policy:
         """`trainer.epochs` x `trainer.mini_batches` optimizer steps of `spec` on a `collate` batch
         [B, T] (each epoch: the rows in `mini_batches` consecutive parts, each loss normalised by
         its own global counts); returns plain-float metrics, token-weighted over all steps (`loss`,
-        `grad_norm`: the mean step's). More than one step: pi_prox comes first, on the weights
+        `grad_norm`, `train/lr`: the mean step's). More than one step: pi_prox comes first, on the weights
         before them. A non-finite loss or grad norm skips the step (`faults/nonfinite_steps`,
         total); `trainer.max_nonfinite_steps` of them in a row raise."""
         B = batch["input_ids"].shape[0]
@@ -169,6 +169,7 @@ class Policy:
         self._trained = [o["logprobs"] for o in steps[-1]], self._sizes
         metrics = {"loss": sum(o["loss"] for o in outs) / len(steps),
                    "grad_norm": sum(step[0]["grad_norm"] for step in steps) / len(steps),
+                   "train/lr": sum(step[0]["lr"] for step in steps) / len(steps),
                    "faults/nonfinite_steps": self.nonfinite_steps}
         for k in outs[0]["sums"]:
             count = sum(o["counts"][k] for o in outs)

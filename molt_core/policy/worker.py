@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import re
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -30,9 +31,31 @@ from molt_core.policy.logprobs import Forward, fast_norms, token_logprobs
 from molt_core.policy.objective import Tally, TrainStep, needs_reference, objective
 from molt_core.run import checkpoint as ckpt
 
-__all__ = ["PolicyWorker", "gathered"]
+__all__ = ["PolicyWorker", "gathered", "lr_factor", "param_groups"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+
+
+def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """`module`'s trainable parameters as AdamW groups, HF Trainer's way: no decay for names
+    matching `_NO_DECAY` (biases, norm weights; FSDP2 and LoRA keep HF's names) nor LayerNorms."""
+    ln = {id(p) for m in module.modules() if isinstance(m, torch.nn.LayerNorm)
+          for p in m.parameters()}
+    groups = [{"params": [], "weight_decay": weight_decay}, {"params": [], "weight_decay": 0.0}]
+    for n, p in module.named_parameters():
+        if p.requires_grad:
+            groups[id(p) in ln or bool(_NO_DECAY.search(n.lower()))]["params"].append(p)
+    return [g for g in groups if g["params"]]
+
+
+def lr_factor(t: dict[str, Any]) -> Callable[[int], float]:
+    """lr's factor at optimizer step s under `trainer.lr_schedule` (HF's schedules, warmup)."""
+    warm, total = t["warmup_steps"], t["steps"] * t["mini_batches"] * t["epochs"]
+    rest = max(1, total - warm)
+    after = {"constant": lambda s: 1.0, "linear": lambda s: max(0.0, (total - s) / rest),
+             "cosine": lambda s: max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((s - warm) / rest))))}
+    return lambda s: s / max(1, warm) if s < warm else after[t["lr_schedule"]](s)
 
 
 class PolicyWorker:
@@ -65,9 +88,10 @@ class PolicyWorker:
         self.model_path, self.dtype = model_path, dtype
         self.reference: Any = None                       # frozen initial weights (KL), lazy
         self.value_head: torch.nn.Linear | None = None   # the critic, lazy
-        self.optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+        self.optim = torch.optim.AdamW(param_groups(model, trainer["weight_decay"]),
                                        lr=trainer["lr"], betas=tuple(trainer["betas"]),
-                                       weight_decay=trainer["weight_decay"], fused=True)
+                                       eps=trainer["eps"], fused=True)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optim, lr_factor(trainer))
 
     def _build_model(self, model_path: str, dtype: torch.dtype) -> torch.nn.Module:
         """The HF model, each decoder layer and the root `fully_shard` over all ranks
@@ -163,8 +187,11 @@ class PolicyWorker:
             head = torch.nn.Linear(hidden, 1, device=self.device)
             torch.nn.init.zeros_(head.weight)
             torch.nn.init.zeros_(head.bias)
-            self.optim.add_param_group({"params": list(head.parameters())})
-            self.value_head, self.critic_group = head, self.optim.param_groups[-1]
+            for g in (groups := param_groups(head, self.cfg["weight_decay"])):
+                self.optim.add_param_group(g)      # LambdaLR steps every group (lr: train_step)
+                self.schedule.base_lrs.append(self.cfg["lr"])
+                self.schedule.lr_lambdas.append(self.schedule.lr_lambdas[0])
+            self.value_head, self.critic_groups = head, self.optim.param_groups[-len(groups):]
         return self.value_head
 
     def train_step(self, batch: dict[str, torch.Tensor], spec: TrainStep, num_tokens: int,
@@ -176,8 +203,9 @@ class PolicyWorker:
         loss or grad norm on any rank skips the step on all (`nonfinite`)."""
         t0 = time.perf_counter()
         critic = self._critic() if "returns" in batch else None
-        if critic is not None:
-            self.critic_group["lr"] = (spec.terms or {}).get("value_lr") or self.cfg["lr"]
+        lr = self.optim.param_groups[0]["lr"]            # this step's (`schedule`)
+        for g in self.critic_groups if critic is not None else ():     # on the same schedule
+            g["lr"] = lr / self.cfg["lr"] * ((spec.terms or {}).get("value_lr") or self.cfg["lr"])
         tally, loss_total, trained = Tally(), 0.0, []   # trained: pre-update log-probs
         for mb in self._micro_batches(batch):
             fwd = self._forward(mb, spec.temperature, critic)
@@ -192,7 +220,7 @@ class PolicyWorker:
             tally.add(mb, fwd, metrics, spec.version)
         t1 = time.perf_counter()
         grad_norm, finite = self._optimizer_step(loss_total, critic)
-        return {"loss": loss_total, "grad_norm": grad_norm, "sums": tally.sums,
+        return {"loss": loss_total, "grad_norm": grad_norm, "lr": lr, "sums": tally.sums,
                 "counts": tally.counts,
                 "max": {"mismatch/max_abs": tally.max_abs, "memory/trainer_peak_gib": _peak_gib()},
                 "nonfinite": not finite,            # pi_prox given: the driver has them
@@ -216,6 +244,7 @@ class PolicyWorker:
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)      # every rank steps, or none does
         if finite.item():
             self.optim.step()
+            self.schedule.step()          # as HF's: a skipped step does not advance it
         self.optim.zero_grad(set_to_none=True)
         return float(grad_norm), bool(finite.item())
 
@@ -269,10 +298,11 @@ class PolicyWorker:
         return out
 
     def save_checkpoint(self, path: str) -> bool:
-        """This rank's shards of model, AdamW and critic in `path`/policy (DCP, collective) and its
-        RNG in `path`/rng_rank{r}.pt (`run.checkpoint`'s layout); True when there is a critic."""
+        """This rank's shards of model, AdamW, critic and lr schedule in `path`/policy (DCP,
+        collective), its RNG in `path`/rng_rank{r}.pt (`run.checkpoint`'s layout); True: critic."""
         msd, osd = get_state_dict(self._stateful(), self.optim)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=Path(path) / "policy")
+        dcp.save({"model": msd, "optim": osd, "schedule": self.schedule.state_dict()},
+                 checkpoint_id=Path(path) / "policy")
         torch.save(ckpt.rng_state(), Path(path) / f"rng_rank{self.rank}.pt")
         return self.value_head is not None
 
@@ -282,9 +312,11 @@ class PolicyWorker:
             self._critic()                 # its param group must exist before AdamW state loads
         mods = self._stateful()
         state = dict(zip(("model", "optim"), get_state_dict(mods, self.optim)))
+        state["schedule"] = self.schedule.state_dict()
         dcp.load(state, checkpoint_id=Path(path) / "policy")
         set_state_dict(mods, self.optim, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
+        self.schedule.load_state_dict(state["schedule"])
         ckpt.set_rng_state(torch.load(Path(path) / f"rng_rank{self.rank}.pt", weights_only=True))
 
     def _stateful(self) -> torch.nn.Module:
