@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
 from typing import Any
 
@@ -15,6 +16,7 @@ from molt_core.trajectory import Completion, ImageInput
 __all__ = ["EngineClient", "EngineDied"]
 
 log = structlog.get_logger("molt.generator")
+HEARTBEAT_S = 60.0      # a call unanswered this long is said, before engine.timeout_s ends it
 
 
 class EngineDied(RuntimeError):
@@ -108,6 +110,21 @@ class EngineClient:
         busy, self._busy = self._busy, [0.0] * len(self.engines)
         return sum(busy) / max(len(busy), 1)
 
+    async def _answer(self, i: int, call: Any) -> Any:
+        """`call`'s result within `timeout_s`; each `HEARTBEAT_S` before, a warning with engine
+        `i`'s requests in flight and the machine's load (a starved box looks like a hung engine)."""
+        task, waited = asyncio.ensure_future(call), 0.0
+        try:
+            while not (await asyncio.wait({task}, timeout=min(HEARTBEAT_S,
+                                                                self.timeout_s - waited)))[0]:
+                if (waited := waited + HEARTBEAT_S) >= self.timeout_s:
+                    raise asyncio.TimeoutError
+                log.warning("engine_slow", engine=i, unanswered_s=waited, timeout_s=self.timeout_s,
+                            requests=self.outstanding[i], load=os.getloadavg(), cpus=os.cpu_count())
+            return task.result()
+        finally:
+            task.cancel()
+
     async def _send(self, i: int, chunk: list) -> None:
         chunk = [c for c in chunk if not c[3].cancelled()]     # given up before it was sent
         if not chunk:
@@ -122,9 +139,9 @@ class EngineClient:
             # Images only where some request has them: text-only engines keep their signature.
             images = {"images": [im for _, _, im, _ in chunk]} if any(c[2] for c in chunk) else {}
             # One timeout per RPC, not per request (a wait_for per request costs ~0.1 ms).
-            outs = await asyncio.wait_for(engine.generate_batch.remote(
+            outs = await self._answer(i, engine.generate_batch.remote(
                 [p for p, _, _, _ in chunk], [s for _, s, _, _ in chunk], **images,
-                request_ids=ids), self.timeout_s)
+                request_ids=ids))
         except asyncio.TimeoutError:
             self._abort(i, *ids)
             outs = [TimeoutError(f"no engine answered a generate call within {self.timeout_s}s "
