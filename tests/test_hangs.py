@@ -1,11 +1,19 @@
 """Hangs and slow rejections (issue 41 item 12): clients stalled inside a request's line or
-headers are timed out."""
+headers are timed out; a failure-rate stop is one clear error."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
 
 from molt_core.chat.server import ChatServer
+
+from common import toy_recipe
 
 
 def test_clients_stalled_in_the_request_line_or_headers_are_closed():
@@ -39,3 +47,25 @@ def test_clients_stalled_in_the_request_line_or_headers_are_closed():
 
     answers = asyncio.run(main())
     assert all(a == b"" for a in answers), [a for a in answers if a][:1]
+
+
+@pytest.mark.parametrize("rate", ["0.5", "1.0"])
+def test_a_failure_rate_stop_is_one_clear_error(tiny_model_dir, tmp_path, rate):
+    """A reward that always raises: past agent.max_failure_rate (0.5), or never past it (1.0:
+    no group completes), the run exits with one error line, not tracebacks nor asyncio's 'Task
+    exception was never retrieved' (2-12 of them before)."""
+    rows = [json.dumps({"prompt": f"say {i}", "answer": str(i)}) for i in range(20)]
+    (tmp_path / "rows.jsonl").write_text("\n".join(rows) + "\n")
+    (tmp_path / "bad_reward.py").write_text("def reward(completion, **kw):\n"
+                                            "    raise ValueError('boom')\n")
+    recipe = toy_recipe(tmp_path, tiny_model_dir, out_dir=str(tmp_path / "runs"), agent={
+        "max_failure_rate": float(rate), "args": {"env": "dataset", "env_args": {
+            "data": str(tmp_path / "rows.jsonl"), "reward": "bad_reward:reward"}}})
+    proc = subprocess.run([sys.executable, "-m", "molt_tools", "run", recipe, "trainer.steps=2",
+                           "--no-progress"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    err = [ln for ln in proc.stderr.splitlines() if "] agent_error" not in ln]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert [ln for ln in err if ln.startswith("error: ")] == [err[-1]], err[-20:]
+    assert "reward function 'bad_reward:reward' failed" in err[-1]
+    assert "Traceback" not in proc.stderr and "never retrieved" not in proc.stderr, err[-40:]

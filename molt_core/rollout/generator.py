@@ -142,13 +142,17 @@ class Generator:
                 raise self._stuck(f"could not complete {num_groups} groups after {attempts} "
                                   "attempts")
             groups = await asyncio.gather(*(self.run_group(self.new_group_id())
-                                            for _ in range(need)))
+                                            for _ in range(need)), return_exceptions=True)
+            if errors := [g for g in groups if isinstance(g, BaseException)]:
+                raise errors[0]     # each group's error retrieved: no "never retrieved" noise
             out += [g for g in groups if g is not None]
         return out
 
     def _stuck(self, what: str) -> RuntimeError:
-        return RuntimeError(f"{what}; drops so far: {dict(self.counters)}. The agent fails too "
-                            "often: see the agent_error events in the log")
+        common = "".join(f"; the commonest error ({n}x): {e}"
+                         for e, n in self._errors.most_common(1))
+        return FailureRateError(f"{what}; drops so far: {dict(self.counters)}{common}. The agent "
+                                "fails too often: see the agent_error events in the log")
 
     def start_pool(self, max_groups: int) -> None:
         """Keep up to `max_groups` groups running or finished-and-waiting from now on."""
@@ -288,7 +292,9 @@ class Generator:
             t.cancel()
             self._failed("agent_timeout", group_id, -1, f"no result within "
                          f"{self.cfg.agent.timeout_s}s (agent.timeout_s)")
-        trajs = [t.result() for t in tasks if t not in late and t.result() is not None]
+        if errors := [e for t in tasks if t not in late and (e := t.exception())]:
+            raise errors[0]         # the others' retrieved too
+        trajs = [r for t in tasks if t not in late and (r := t.result()) is not None]
         if len(trajs) < min(n, 2):           # a group of one has no baseline to compare with
             self.counters["rollout/dropped/incomplete_group"] += 1
             return None
