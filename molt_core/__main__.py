@@ -1,8 +1,4 @@
-"""`python -m molt_core ...` is the `molt` command: for a venv that sees molt-core but holds no
-`molt` script (one made with --system-site-packages, or on a PYTHONPATH)."""
-
-import sys
-
+"""`python -m molt_core` is the `molt` command (a venv that sees molt-core without its script)."""
 from molt_tools.commands import main
 
-sys.exit(main())
+raise SystemExit(main())

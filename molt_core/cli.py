@@ -134,5 +134,4 @@ def start(recipe: str | None, overrides: list[str], plugin_names: list[str] = ()
 
 
 if __name__ == "__main__":          # `python -m molt_core.cli ...`: `molt ...`, as `-m molt_core`
-    from molt_tools.commands import main
-    sys.exit(main())
+    import molt_core.__main__       # noqa: F401

@@ -96,13 +96,15 @@ def load_tokenizer(path: str, chat_template: str = "") -> Any:
     return tok
 
 
-def require_chat_template(tokenizer: Any) -> None:
-    """Raise ValueError unless the tokenizer can render chat messages (the gym and chat agents)."""
+def require_chat_template(tokenizer: Any, fix: str = "") -> None:
+    """Raise ConfigError unless the tokenizer can render chat messages (the gym and chat agents,
+    built before anything starts by `trainer.prepare`); `fix`: one more way out."""
+    from molt_core.config import ConfigError
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"the tokenizer at '{getattr(tokenizer, 'name_or_path', '?')}' has no "
-                         "chat template, which chat agents need to render messages: use an "
-                         "instruct/chat checkpoint, or set `chat_template` in its "
-                         "tokenizer_config.json (or a chat_template.jinja file)")
+        raise ConfigError(f"the tokenizer at '{getattr(tokenizer, 'name_or_path', '?')}' has no "
+                          "chat template, which chat agents need to render messages: use an "
+                          "instruct/chat checkpoint, or set `chat_template` in its "
+                          f"tokenizer_config.json (or a chat_template.jinja file){fix}")
 
 
 class ImageEncoder:

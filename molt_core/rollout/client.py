@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import time
@@ -113,17 +114,14 @@ class EngineClient:
     async def _answer(self, i: int, call: Any) -> Any:
         """`call`'s result within `timeout_s`; each `HEARTBEAT_S` before, a warning with engine
         `i`'s requests in flight and the machine's load (a starved box looks like a hung engine)."""
-        task, waited = asyncio.ensure_future(call), 0.0
-        try:
-            while not (await asyncio.wait({task}, timeout=min(HEARTBEAT_S,
-                                                                self.timeout_s - waited)))[0]:
-                if (waited := waited + HEARTBEAT_S) >= self.timeout_s:
-                    raise asyncio.TimeoutError
-                log.warning("engine_slow", engine=i, unanswered_s=waited, timeout_s=self.timeout_s,
-                            requests=self.outstanding[i], load=os.getloadavg(), cpus=os.cpu_count())
-            return task.result()
-        finally:
-            task.cancel()
+        task, waited = asyncio.ensure_future(call), HEARTBEAT_S
+        while waited < self.timeout_s:
+            with contextlib.suppress(asyncio.TimeoutError):
+                return await asyncio.wait_for(asyncio.shield(task), HEARTBEAT_S)
+            log.warning("engine_slow", engine=i, unanswered_s=waited, timeout_s=self.timeout_s,
+                        requests=self.outstanding[i], load=os.getloadavg(), cpus=os.cpu_count())
+            waited += HEARTBEAT_S
+        return await asyncio.wait_for(task, self.timeout_s - waited + HEARTBEAT_S)
 
     async def _send(self, i: int, chunk: list) -> None:
         chunk = [c for c in chunk if not c[3].cancelled()]     # given up before it was sent

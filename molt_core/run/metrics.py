@@ -120,19 +120,17 @@ class MetricsSink:
                                               reward=round(reward, 4), step_s=round(step_s, 3))
 
     def completions(self, step: int, trajs: list, tokenizer: Any, log: Any) -> None:
-        """The sinks with `log_completions(step, rows)` get a saved step's rollouts as text (as
-        TRL's completions table): prompt (to the first sampled token), completion, reward, and
-        reference (JSON of the data row's columns an env reports in info, e.g. `dataset`)."""
+        """Sinks with `log_completions(step, rows)`: a saved step's rollouts as TRL's completions
+        table (prompt, completion, reward, reference: the `dataset` row's columns as JSON)."""
         sinks = [s for s in self.sinks if hasattr(s, "log_completions")]
         if not (sinks and trajs and log.trajectories_every) or step % log.trajectories_every:
             return
-        trajs = trajs[:log.trajectories_per_step or None]
-        cut = [t.loss_mask.index(True) if any(t.loss_mask) else len(t) for t in trajs]
-        text = tokenizer.batch_decode([t.token_ids[:c] for t, c in zip(trajs, cut)] + [
-            t.token_ids[c:] for t, c in zip(trajs, cut)], skip_special_tokens=True)
-        rows = [{"prompt": p, "completion": c, "reward": t.reward, "reference": json.dumps(
-            t.info["columns"], default=str) if "columns" in t.info else ""}
-            for t, p, c in zip(trajs, text, text[len(trajs):])]
+        text = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)      # noqa: E731
+        ref = lambda info: json.dumps(info["columns"], default=str) if "columns" in info else ""
+        rows = [{"prompt": text(t.token_ids[:c]), "completion": text(t.token_ids[c:]),
+                 "reward": t.reward, "reference": ref(t.info)}
+                for t in trajs[:log.trajectories_per_step or None]
+                for c in [next((i for i, m in enumerate(t.loss_mask) if m), len(t))]]
         for sink in sinks:
             sink.log_completions(step, rows)
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from molt_core import hookimpl
-from molt_core.config import Config, ConfigError
+from molt_core.config import Config
 from molt_core.contracts import RolloutContext
 from molt_core.multimodal import require_chat_template
 from molt_core.trajectory import Trajectory
@@ -103,17 +102,12 @@ def molt_agents() -> dict:
 
 @hookimpl
 def molt_configure(cfg: Config, plugins: Any) -> None:
-    """The chat agent's arguments, and (model.path a local dir) the tokenizer's chat template."""
-    if cfg.agent.name != "chat":
-        return
-    a = cfg.agent.args
-    plugins.check_args("agent.args.agent_args", "chat_agent", a["agent"], a.get("agent_args") or {})
-    if Path(cfg.model.path).is_dir():
-        from transformers import AutoTokenizer
-        try:
-            require_chat_template(AutoTokenizer.from_pretrained(cfg.model.path))
-        except ValueError as e:
-            raise ConfigError(f"agent 'chat' (model.path): {e}") from None
+    """The chat agent's arguments (its tokenizer's chat template: `ChatRunner`, built by
+    `trainer.prepare` before anything starts)."""
+    if cfg.agent.name == "chat":
+        a = cfg.agent.args
+        plugins.check_args("agent.args.agent_args", "chat_agent", a["agent"],
+                           a.get("agent_args") or {})
 
 
 @hookimpl

@@ -7,7 +7,6 @@ Observations may hold images (`multimodal.images_of`), which ride with the traje
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 from typing import Any
 
 from molt_core import hookimpl, multimodal
@@ -45,6 +44,8 @@ class GymAgent:
         self.max_turns = max_turns
         self.system = [{"role": "system", "content": system_prompt}] if system_prompt else []
         self.chat_template, self.tok = chat_template, tokenizer
+        if chat_template:
+            multimodal.require_chat_template(tokenizer, "; or agent.args.chat_template=false")
         self.model_path = cfg.model.path if cfg is not None else ""
         self.encode = multimodal.MessageEncoder(tokenizer, self.model_path)
         self._openings: dict[str, tuple[str, list[int]]] = {}   # text-only first prompts
@@ -118,13 +119,6 @@ def molt_configure(cfg: Any, plugins: Any) -> None:
                 Dataset(**a["env_args"])
             except (ValueError, OSError, ImportError) as e:
                 raise ConfigError(f"agent.args.env_args: {type(e).__name__}: {e}") from None
-        if a.get("chat_template", True) and Path(cfg.model.path).is_dir():
-            from transformers import AutoTokenizer
-            try:
-                multimodal.require_chat_template(AutoTokenizer.from_pretrained(cfg.model.path))
-            except ValueError as e:
-                raise ConfigError(f"agent 'gym' (model.path): {e}; or set "
-                                  "agent.args.chat_template=false for plain-text turns") from None
 
 
 @hookimpl

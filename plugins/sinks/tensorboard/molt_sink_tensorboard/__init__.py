@@ -1,6 +1,6 @@
-"""TensorBoard metric sink: event files in `RUN_DIR/tensorboard` (`tensorboard --logdir RUN_DIR`);
-each saved step's rollouts in the Text tab (`completions`: prompt, completion, reward, reference).
-A resumed run writes to the same directory; steps it redoes replace the earlier ones."""
+"""TensorBoard metric sink: event files in `RUN_DIR/tensorboard` (`tensorboard --logdir RUN_DIR`),
+completions tables under Text. A resumed run writes to the same directory; steps it redoes
+replace the earlier ones."""
 
 from __future__ import annotations
 
@@ -23,11 +23,10 @@ class TensorBoardSink:
 
     def log_completions(self, step: int, rows: list[dict]) -> None:
         """A Markdown table under the Text tab's `completions`."""
-        cell = lambda v: str(v).replace("|", "\\|").replace("\n", "<br>")     # noqa: E731
-        self.log(step, {})
-        self.writer.add_text("completions", "\n".join([f"| {' | '.join(rows[0])} |",
-                             "|---" * len(rows[0]) + "|", *(
-                             f"| {' | '.join(map(cell, r.values()))} |" for r in rows)]), step)
+        self.log(step, {})      # the writer
+        table = [list(rows[0]), ["---"] * len(rows[0]), *([str(v).replace("|", "\\|").replace(
+            "\n", "<br>") for v in r.values()] for r in rows)]
+        self.writer.add_text("completions", "\n".join(f"| {' | '.join(c)} |" for c in table), step)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -31,7 +31,7 @@ def test_each_saved_steps_completions_are_a_text_table(sink_run):
     assert [e.step for e in events] == sorted(expected)
     for e in events:
         head, rule, *lines = e.tensor_proto.string_val[0].decode().split("\n")
-        assert head == "| prompt | completion | reward | reference |" and rule == "|---" * 4 + "|"
+        assert head == "| prompt | completion | reward | reference |" and rule == "| --- " * 4 + "|"
         cells = [[c.replace("\\|", "|").replace("<br>", "\n")
                   for c in re.split(r"(?<!\\) \| ", line[2:-2])] for line in lines]
         assert sorted((p, c, float(r)) for p, c, r, _ in cells) == expected[e.step], e.step

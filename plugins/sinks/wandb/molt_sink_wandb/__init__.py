@@ -1,6 +1,5 @@
 """Weights & Biases metric sink. Offline by default (no network; files in `RUN_DIR/wandb`,
-upload later with `wandb sync`); `wandb.mode: online` (or `WANDB_MODE=online`) logs live. Each
-saved step's rollouts go to the table `completions` (prompt, completion, reward, reference).
+upload later with `wandb sync`); `wandb.mode: online` (or `WANDB_MODE=online`) logs live.
 A key the recipe leaves empty falls back to W&B's own variable (`WANDB_PROJECT`, ...). The run id
 is kept in `RUN_DIR/wandb-run-id`, so `molt run --resume` continues the same W&B run."""
 
