@@ -4,6 +4,7 @@ trainer_logprobs: empty when not recorded)."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -137,14 +138,25 @@ class TrajectoryWriter:
         self.proc.stdin.close()
 
     def flush(self, timeout: float = 600.0) -> None:
-        """Wait until every step queued so far is on disk."""
+        """Wait until every step queued so far is on disk (the writer at normal priority while
+        the loop waits for it, where the OS allows: a busy machine starves SCHED_IDLE)."""
         if self.dir:
             self.queue.put("flush", timeout=timeout)
-            if not select.select([self.proc.stdout], [], [], timeout)[0]:
-                raise RunDirError(f"the trajectory writer saved nothing within {timeout}s: is "
-                                  f"the disk of {self.dir} stalled?")
-            if (line := self.proc.stdout.readline()) != b"ok\n":
-                self._failed(line)
+            self._priority(os.SCHED_OTHER)
+            try:
+                if not select.select([self.proc.stdout], [], [], timeout)[0]:
+                    raise RunDirError(f"the trajectory writer saved nothing within {timeout}s: "
+                                      f"is the disk of {self.dir} stalled (or the CPU busy)?")
+                if (line := self.proc.stdout.readline()) != b"ok\n":
+                    self._failed(line)
+            finally:
+                self._priority(os.SCHED_IDLE)
+
+    def _priority(self, policy: int) -> None:
+        """Every thread of the writer to `policy` (leaving SCHED_IDLE needs root or RLIMIT_NICE)."""
+        with contextlib.suppress(OSError, AttributeError):
+            for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
+                os.sched_setscheduler(int(tid), policy, os.sched_param(0))
 
     def _failed(self, line: bytes = b"") -> None:
         self.why = self.why or (line + self.proc.stdout.read()).decode().strip() or (
@@ -153,11 +165,18 @@ class TrajectoryWriter:
                           "so far are kept; free space (or set log.trajectories_every=0), "
                           f"{resume_hint(self.dir.parent)}")
 
-    def close(self) -> None:
+    def close(self, timeout: float = 60.0) -> None:
+        """The last steps saved; past `timeout` (a busy machine starving the writer, where its
+        priority cannot be raised) the writer finishes them on its own, after this exits."""
         if self.dir:
             self.queue.put(None)
-            if self.proc.wait(timeout=600) and not self.why:
-                log.error("trajectory writer failed", error=self.proc.stdout.read().decode())
+            self._priority(os.SCHED_OTHER)
+            try:
+                if self.proc.wait(timeout=timeout) and not self.why:
+                    log.error("trajectory writer failed", error=self.proc.stdout.read().decode())
+            except subprocess.TimeoutExpired:
+                log.warning("trajectory writer still saving: it finishes after this process",
+                            pid=self.proc.pid, dir=str(self.dir))
 
 
 # SCHED_IDLE (Linux) before the imports: only CPU nobody else wants, from the start (the actors
@@ -174,6 +193,7 @@ def _serve() -> None:
     os.dup2(2, 1)                               # prints and logs: not on the acknowledgements
     try:
         _write_loop(out, tokenizer, start, ack)
+        os._exit(0)         # all written: no interpreter teardown (seconds of CPU at idle priority)
     except OSError as e:
         for f in out.glob("*.tmp"):
             f.unlink()
