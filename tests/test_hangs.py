@@ -69,3 +69,44 @@ def test_a_failure_rate_stop_is_one_clear_error(tiny_model_dir, tmp_path, rate):
     assert [ln for ln in err if ln.startswith("error: ")] == [err[-1]], err[-20:]
     assert "reward function 'bad_reward:reward' failed" in err[-1]
     assert "Traceback" not in proc.stderr and "never retrieved" not in proc.stderr, err[-40:]
+
+
+def test_a_prompt_row_too_long_for_the_model_is_refused_before_tokenizing(tiny_model_dir,
+                                                                          tmp_path, monkeypatch):
+    """A dataset row whose prompt has more characters than the model's positions can hold at any
+    tokenization (max_position_embeddings x the longest vocabulary entry) fails its rollout by
+    its length, untokenized (a 20 MB row took 6 minutes and 8.8 GB to reach the engine's
+    refusal); a row that fits reaches the engine."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from molt_core.cli import load
+    from molt_core.contracts import RolloutContext
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    bound = AutoConfig.from_pretrained(tiny_model_dir).max_position_embeddings * max(
+        map(len, tok.get_vocab()))
+    rows = [{"prompt": "a" * (bound + 1), "answer": "1"}, {"prompt": "say 1", "answer": "1"}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "one_reward.py").write_text("def reward(completion, **kw):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg, plugins = load(toy_recipe(tmp_path, tiny_model_dir, agent={"args": {
+        "env": "dataset", "chat_template": False, "env_args": {
+            "data": str(tmp_path / "rows.jsonl"), "reward": "one_reward:reward",
+            "test_fraction": 0.0, "shuffle": False}}}), [])
+    agent = plugins.get("agent", "gym")(cfg, tok, plugins, **cfg.agent.args)
+    reached = []
+
+    async def generate(ids, sampling, images=None):
+        reached.append(len(ids))
+        raise RuntimeError("reached the engine")
+
+    def rollout(task: int):
+        return asyncio.run(agent.rollout(RolloutContext(0, 0, task, {}, generate, tok)))
+
+    with pytest.raises(ValueError, match=rf"the prompt has {bound + 1} characters: more than "
+                                         rf"the model's positions can hold .*\({bound}\)"):
+        rollout(0)
+    assert reached == []
+    with pytest.raises(RuntimeError, match="reached the engine"):
+        rollout(1)
+    assert len(reached) == 1

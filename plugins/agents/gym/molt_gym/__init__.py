@@ -9,6 +9,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from transformers import AutoConfig
+
 from molt_core import hookimpl, multimodal
 from molt_core.config import ConfigError
 from molt_core.contracts import RolloutContext
@@ -49,6 +51,10 @@ class GymAgent:
         self.model_path = cfg.model.path if cfg is not None else ""
         self.encode = multimodal.MessageEncoder(tokenizer, self.model_path)
         self._openings: dict[str, tuple[str, list[int]]] = {}   # text-only first prompts
+        # a prompt longer than this many characters cannot fit (each token spells at most its
+        # longest vocabulary entry's): rejected before tokenizing (20 MB: 6 min, 8.8 GB)
+        self.max_chars = AutoConfig.from_pretrained(self.model_path).get_text_config() \
+            .max_position_embeddings * max(map(len, tokenizer.get_vocab())) if cfg else None
 
     def opening(self, messages: list[dict]) -> tuple[str, list[int], list[ImageInput]]:
         """The first prompt as text and ids; a group's rollouts share it, so text-only ones are
@@ -57,6 +63,10 @@ class GymAgent:
         if key in self._openings:
             return *self._openings[key], []
         text = self.render(messages)
+        if self.max_chars and len(text) > self.max_chars:
+            raise ValueError(f"the prompt has {len(text)} characters: more than the model's "
+                             f"positions can hold at any tokenization ({self.max_chars}); drop or "
+                             "shorten such rows of the data")
         ids, images = self.encode(text, messages)
         if key is not None:
             if len(self._openings) >= 4096:
