@@ -120,10 +120,10 @@ def start(recipe: str | None, overrides: list[str], plugin_names: list[str] = ()
     from molt_core.run.cluster import prestart
     with prestart(recipe, overrides):     # Ray starts while the plugins import
         cfg, plugins = load(recipe, overrides, plugin_names, blocked)
+        from molt_core.trainer import prepare, train
+        prepared, ckpt = prepare(cfg, plugins), None   # its refusals: no run dir, no Ray
     from molt_core.run.metrics import configure_logging, make_run_dir
     configure_logging(log_level, fmt=cfg.log.format)
-    from molt_core.trainer import prepare, train
-    prepared, ckpt = prepare(cfg, plugins), None       # its refusals leave no run dir
     if resume:
         run_dir, ckpt = prepare_resume(resume, checkpoint, cfg, list(argv))
     else:

@@ -234,10 +234,11 @@ def test_run_in_a_fresh_process_prestarts_ray_and_stops_it_on_bad_input(tiny_rec
            "trainer.steps=2", "--no-progress"]
     ok = subprocess.run(run, capture_output=True, text=True, timeout=300, env=env)
     assert ok.returncode == 0 and "(2 steps)" in ok.stdout, ok.stderr
-    bad = subprocess.run([*run, "agent.args.env=nope"], capture_output=True, text=True,
-                         timeout=300, env=env)
-    assert bad.returncode == 2 and bad.stderr.startswith("error: unknown env 'nope'"), bad.stderr
-    assert bad.stderr.count("\n") == 1
+    for extra, says in (("agent.args.env=nope", "unknown env 'nope'"),        # the plugins
+                        ("eval.every=1", "eval: agent 'gym' env 'next_letter'")):   # prepare
+        bad = subprocess.run([*run, extra], capture_output=True, text=True, timeout=300, env=env)
+        assert bad.returncode == 2 and bad.stderr.startswith(f"error: {says}"), bad.stderr
+        assert bad.stderr.count("\n") == 1
     left = [p.pid for p in psutil.process_iter(["cmdline"])
             if ray_tmp in " ".join(p.info["cmdline"] or [])]
     assert not left, f"Ray processes left behind: {left}"
