@@ -20,7 +20,8 @@ def _pid(_actor) -> int:
 
 
 def _kill_engine(when: str, step: int) -> None:
-    """MOLT_TEST_KILL_ENGINE=WHEN:STEP (WHEN: filter, before the train step; end, after it)."""
+    """MOLT_TEST_KILL_ENGINE=WHEN:STEP (WHEN: filter, before the train step; end, after it;
+    save: inside the STEP-th checkpoint write)."""
     if os.environ.get("MOLT_TEST_KILL_ENGINE") == f"{when}:{step}":
         import ray
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -66,6 +67,7 @@ def molt_state_dict():
     """Called in the middle of a checkpoint write: policy shards written, driver state not."""
     global _saves
     _saves += 1
+    _kill_engine("save", _saves)
     if _saves == int(os.environ.get("MOLT_TEST_KILL_IN_SAVE", -1)):
         os.kill(os.getpid(), signal.SIGKILL)
     return {"saves": _saves}

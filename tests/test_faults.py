@@ -276,3 +276,20 @@ def test_nonfinite_step_count_survives_a_resume(ray_local, tiny_chars_dir, tmp_p
     cfg, plugins = load(recipe, ["trainer.steps=4"], ["nan_loss_plugin"])
     resumed = train(cfg, plugins, run, progress=False, resume=run)
     assert [h["faults/nonfinite_steps"] for h in resumed] == [1, 1]
+
+
+def test_an_engine_killed_while_a_checkpoint_is_written_is_replaced(ray_local, tiny_chars_dir,
+                                                                    tmp_path, monkeypatch):
+    """kill -9 of the engine inside the first checkpoint write (ray.embedded off): the save takes
+    Ray's word that the actor died (at once), saves without that engine's RNG, and the next step
+    replaces the engine. (Before: the ActorDiedError stopped the run, no checkpoint; the issue
+    saw the save wait engine.timeout_s, ~150 s.)"""
+    monkeypatch.syspath_prepend(str(TESTS))
+    monkeypatch.setenv("MOLT_TEST_KILL_ENGINE", "save:1")
+    cfg, plugins = load(_recipe(tmp_path, tiny_chars_dir), [
+        "trainer.steps=3", "trainer.save_every=1", "ray.embedded=off", "engine.timeout_s=3000"],
+        ["kill_plugin"])
+    (tmp_path / "run").mkdir()
+    history = train(cfg, plugins, tmp_path / "run", progress=False)
+    assert [h["faults/engine_restarts"] for h in history] == [0, 1, 1]
+    assert checkpoint.latest(tmp_path / "run").name == "step_000003"

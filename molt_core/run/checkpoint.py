@@ -184,6 +184,18 @@ class Checkpointer:
                         resume=f"molt run --resume {self.run_dir}")
         return self.stop_signal is not None
 
+    def _engine_rng(self, engine: Any) -> Any:
+        """The engine's sampling RNG; None if it has none, or died (Ray says so at once: the
+        next step's requests replace it; a resume then samples anew there)."""
+        from ray.exceptions import RayActorError
+        try:
+            return actors.get(engine.rng_state.remote(), timeout=self.cfg.engine.timeout_s) \
+                if hasattr(engine, "rng_state") else None
+        except RayActorError as e:
+            log.warning("engine died during the checkpoint: saved without its RNG",
+                        error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
+            return None
+
     def save(self, done: int) -> Path:
         root = self.run_dir / "checkpoints"
         final, tmp = root / f"step_{done:06d}", root / f".tmp-step_{done:06d}"
@@ -198,8 +210,7 @@ class Checkpointer:
                               for t in g] for g in gen["buffer"]]   # plain data: weights_only
             plugin_state = {impl.plugin_name: impl.function()
                             for impl in self.plugins.hook.molt_state_dict.get_hookimpls()}
-            engine_rng = [actors.get(e.rng_state.remote(), timeout=self.cfg.engine.timeout_s)
-                          if hasattr(e, "rng_state") else None for e in self.engines]
+            engine_rng = [self._engine_rng(e) for e in self.engines]
             buf = io.BytesIO()          # a full disk: an OSError, where torch.save's is not
             torch.save({"step": done, "version": self.version, "critic": critic,
                         "rng": rng_state(), "engine_rng": engine_rng, "generator": gen,
