@@ -92,15 +92,9 @@ def validate(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from molt_core.rollout.generator import FailureRateError
-    try:
-        _, history = start(args.recipe, args.overrides, args.plugin, args.blocked,
-                           resume=args.resume, progress=not args.no_progress,
-                           checkpoint=args.checkpoint, argv=["molt", *args.argv],
-                           log_level=getattr(args, "log_level", "INFO"))
-    except FailureRateError as e:       # the agent_error lines above say the rest
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    _, history = start(args.recipe, args.overrides, args.plugin, args.blocked, resume=args.resume,
+                       progress=not args.no_progress, checkpoint=args.checkpoint,
+                       argv=["molt", *args.argv], log_level=getattr(args, "log_level", "INFO"))
     if steps := [h for h in history if "reward/mean" in h]:      # not the eval rows
         first, last = steps[0]["reward/mean"], steps[-1]["reward/mean"]
         print(f"reward: first step {first:.3f} -> last step {last:.3f} ({len(steps)} steps)")

@@ -138,3 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, PluginError, RunDirError) as e:   # may come late (once Ray is up)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:       # a failure-rate stop: the agent_error lines say the rest
+        from molt_core.rollout.generator import FailureRateError
+        if not isinstance(e, FailureRateError):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1

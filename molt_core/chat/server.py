@@ -286,9 +286,7 @@ def _quiet(record: logging.LogRecord) -> bool:
 
 
 class _Protocol(H11Protocol):
-    """h11 with a deadline on each request line and headers (uvicorn's keep-alive timeout runs
-    only between requests, so a client stalled inside them held its socket forever)."""
-    head_timeout_s = 30.0
+    """h11 with a deadline on each request's head (uvicorn times out only idle keep-alives)."""
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -348,8 +346,7 @@ class ChatServer:
         await asyncio.shield(self._started)
 
     async def close(self) -> None:
-        """Stop accepting, finish in-flight requests (1 s grace, then cancelled: the rollouts'
-        end, quietly), release the socket."""
+        """Stop accepting, finish in-flight requests (1 s grace), release the socket."""
         if self._server is not None and self._task is not None:
             self._server.should_exit = True
             with contextlib.suppress(Exception):

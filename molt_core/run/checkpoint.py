@@ -185,15 +185,13 @@ class Checkpointer:
         return self.stop_signal is not None
 
     def _engine_rng(self, engine: Any) -> Any:
-        """The engine's sampling RNG; None if it has none, or died (Ray says so at once: the
-        next step's requests replace it; a resume then samples anew there)."""
+        """Its sampling RNG; None if it has none or died (the next step's requests replace it)."""
         from ray.exceptions import RayActorError
         try:
             return actors.get(engine.rng_state.remote(), timeout=self.cfg.engine.timeout_s) \
                 if hasattr(engine, "rng_state") else None
         except RayActorError as e:
-            log.warning("engine died during the checkpoint: saved without its RNG",
-                        error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
+            log.warning("engine died: the checkpoint has not its RNG", error=type(e).__name__)
             return None
 
     def save(self, done: int) -> Path:

@@ -138,25 +138,22 @@ class TrajectoryWriter:
         self.proc.stdin.close()
 
     def flush(self, timeout: float = 600.0) -> None:
-        """Wait until every step queued so far is on disk (the writer at normal priority while
-        the loop waits for it, where the OS allows: a busy machine starves SCHED_IDLE)."""
+        """Wait until every step queued so far is on disk (meanwhile the writer not idle)."""
         if self.dir:
             self.queue.put("flush", timeout=timeout)
-            self._priority(os.SCHED_OTHER)
-            try:
-                if not select.select([self.proc.stdout], [], [], timeout)[0]:
-                    raise RunDirError(f"the trajectory writer saved nothing within {timeout}s: "
-                                      f"is the disk of {self.dir} stalled (or the CPU busy)?")
-                if (line := self.proc.stdout.readline()) != b"ok\n":
-                    self._failed(line)
-            finally:
-                self._priority(os.SCHED_IDLE)
+            self._priority("OTHER")
+            if not select.select([self.proc.stdout], [], [], timeout)[0]:
+                raise RunDirError(f"the trajectory writer saved nothing within {timeout}s: is "
+                                  f"the disk of {self.dir} stalled (or the CPU busy)?")
+            if (line := self.proc.stdout.readline()) != b"ok\n":
+                self._failed(line)
+            self._priority("IDLE")
 
-    def _priority(self, policy: int) -> None:
-        """Every thread of the writer to `policy` (leaving SCHED_IDLE needs root or RLIMIT_NICE)."""
-        with contextlib.suppress(OSError, AttributeError):
+    def _priority(self, policy: str) -> None:
+        """Every writer thread to SCHED_`policy` (leaving IDLE needs root or RLIMIT_NICE)."""
+        with contextlib.suppress(OSError, AttributeError):      # AttributeError: not Linux
             for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
-                os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+                os.sched_setscheduler(int(tid), getattr(os, f"SCHED_{policy}"), os.sched_param(0))
 
     def _failed(self, line: bytes = b"") -> None:
         self.why = self.why or (line + self.proc.stdout.read()).decode().strip() or (
@@ -166,17 +163,15 @@ class TrajectoryWriter:
                           f"{resume_hint(self.dir.parent)}")
 
     def close(self, timeout: float = 60.0) -> None:
-        """The last steps saved; past `timeout` (a busy machine starving the writer, where its
-        priority cannot be raised) the writer finishes them on its own, after this exits."""
+        """The last steps saved; past `timeout` (starved) the writer finishes them on its own."""
         if self.dir:
             self.queue.put(None)
-            self._priority(os.SCHED_OTHER)
+            self._priority("OTHER")
             try:
                 if self.proc.wait(timeout=timeout) and not self.why:
                     log.error("trajectory writer failed", error=self.proc.stdout.read().decode())
             except subprocess.TimeoutExpired:
-                log.warning("trajectory writer still saving: it finishes after this process",
-                            pid=self.proc.pid, dir=str(self.dir))
+                log.warning("trajectory writer still saving: it ends after us", pid=self.proc.pid)
 
 
 # SCHED_IDLE (Linux) before the imports: only CPU nobody else wants, from the start (the actors
