@@ -110,3 +110,43 @@ def test_a_prompt_row_too_long_for_the_model_is_refused_before_tokenizing(tiny_m
     with pytest.raises(RuntimeError, match="reached the engine"):
         rollout(1)
     assert len(reached) == 1
+
+
+def test_closing_the_chat_server_with_a_request_in_flight_is_quiet(tiny_model_dir):
+    """A stop closes the server with a rollout's request still generating: it is cancelled after
+    the grace, without uvicorn's 'timeout graceful shutdown exceeded' error and the request's
+    CancelledError traceback (issue 41 item 10's stop logged both)."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+
+    async def forever(ids, sampling, images=None):
+        await asyncio.sleep(3600)
+
+    async def main() -> None:
+        server = ChatServer()
+        await server.start()            # uvicorn's logging config is set: now the handler
+        logging.getLogger("uvicorn.error").addHandler(handler)
+        s = server.open_session(AutoTokenizer.from_pretrained(tiny_model_dir), forever,
+                                {"max_new_tokens": 4, "temperature": 1.0}, max_context=512)
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        _, writer = await asyncio.open_connection(server.host, server.port)
+        writer.write(f"POST {s.base_url.split(str(server.port), 1)[1]}/chat/completions HTTP/1.1"
+                     f"\r\nhost: x\r\nauthorization: Bearer {s.api_key}\r\ncontent-type: "
+                     f"application/json\r\ncontent-length: {len(body)}\r\n\r\n{body}".encode())
+        await writer.drain()
+        while not s.trajectory.token_ids:       # the prompt is in: the request is generating
+            await asyncio.sleep(0.05)
+        await server.close()
+        writer.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    assert [r for r in records if r.levelno >= logging.ERROR] == [], [
+        r.getMessage() for r in records]

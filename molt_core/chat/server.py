@@ -281,8 +281,8 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
-def _quiet(record: logging.LogRecord) -> bool:
-    return "graceful shutdown exceeded" not in record.getMessage()    # what close() intends
+def _quiet(record: logging.LogRecord) -> bool:     # close() cancels what is left on purpose
+    return "graceful shutdown exceeded" not in f"{record.getMessage()} {record.exc_info}"
 
 
 class _Protocol(H11Protocol):
