@@ -18,8 +18,12 @@ class Run(NamedTuple):
     history: list[dict[str, Any]]       # metrics.jsonl's rows: one per step, and `eval/...` rows
 
 
-def _as_args(d: dict) -> list[str]:
-    return [f"{k}={json.dumps(v, default=str)}" for k, v in d.items()]     # JSON: YAML reads it
+def _as_args(d: dict, prefix: str = "") -> list[str]:
+    """`key=value` strings (JSON: YAML reads it); a nested non-empty dict merges key by key,
+    as dotted keys do, instead of replacing the whole section."""
+    return [a for k, v in d.items() for a in (
+        _as_args(v, f"{prefix}{k}.") if isinstance(v, dict) and v
+        else [f"{prefix}{k}={json.dumps(v, default=str)}"])]
 
 
 def recipe_args(recipe: Any, overrides: Any = ()) -> tuple[str | None, list[str]]:

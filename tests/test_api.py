@@ -70,3 +70,16 @@ def test_docs_example_trains_from_the_recipe_and_the_python_api(tiny_chars_dir, 
         "eval.agent_args": {"env_args": {"split": "test"}}})
     assert {"eval/greedy/pass@1", "eval/sampled/pass@2"} <= set(metrics)
     assert isinstance(molt_core.Config(), molt_core.Config)
+
+
+def test_nested_overrides_merge_key_by_key_as_dotted_keys_do(tiny_chars_dir, tmp_path):
+    """{"trainer": {"lr": 0.5}} changes trainer.lr only (it replaced the section: micro-batch
+    512 -> the default, transport shm -> broadcast), and equals "trainer.lr=0.5"."""
+    recipe = Path(__file__).parents[1] / "recipes/cpu/addition.yaml"
+    base = {"model.path": str(tiny_chars_dir), "out_dir": str(tmp_path)}
+    nested = molt_core.load_recipe(recipe, {**base, "trainer": {"lr": 0.5}})
+    dotted = molt_core.load_recipe(recipe, {**base, "trainer.lr": 0.5})
+    assert nested.trainer.lr == 0.5
+    assert nested.trainer.micro_batch_size == 512
+    assert nested.trainer.weight_sync_transport == "shm"
+    assert nested == dotted
