@@ -67,7 +67,7 @@ class LoraConfig:
     """PEFT LoRA adapters: only they train (and hold AdamW state); engines get merged weights."""
     rank: int = 0                        # 0: off (full fine-tuning)
     alpha: float = 16.0
-    dropout: float = 0.0
+    dropout: float = 0.0                 # must be 0: a dropout forward would bias the PPO ratio
     target_modules: str | list = "all-linear"   # PEFT names; all-linear: every Linear but lm_head
 
 

@@ -47,8 +47,10 @@ def validate(cfg: Config) -> None:
         (not (t.moe_aux_loss_coef > 0 and t.moe_routing == "freeze_router"),
          "trainer.moe_aux_loss_coef > 0 has no effect with trainer.moe_routing=freeze_router "
          "(the load-balancing loss only trains the router): set one of them differently"),
-        (t.lora.rank >= 0 and t.lora.alpha > 0 and 0 <= t.lora.dropout < 1,
-         "trainer.lora: rank must be >= 0 (0: off), alpha > 0, 0 <= dropout < 1"),
+        (t.lora.rank >= 0 and t.lora.alpha > 0, "trainer.lora: rank must be >= 0 (0: off), alpha > 0"),
+        (t.lora.dropout == 0, f"trainer.lora.dropout={t.lora.dropout}: Molt trains without adapter "
+         "dropout (the ratio's log-probs must be those of the merged weights the engines sample, "
+         "so a dropout forward would bias it); set trainer.lora.dropout=0"),
         (not (t.lora.rank and t.backend != "fsdp2"),
          f"trainer.lora needs trainer.backend=fsdp2 (got {t.backend})"),
         (cfg.eval.every >= 0 and cfg.eval.prompts >= 1 and cfg.eval.k >= 0,

@@ -50,6 +50,8 @@ def test_exponent_floats_without_a_dot(recipe, tmp_path):
                             "keys here: backend"),
     ({}, "trainer.steps=abc", "config key 'trainer.steps' must be int, got 'abc'"),
     ({}, "trainer.steps=0", "trainer.steps must be > 0"),
+    ({}, "trainer.lora.dropout=0.05", "trainer.lora.dropout=0.05: Molt trains without adapter "
+                                      "dropout"),   # accepted and silently off (issue 41.7)
     ({}, "model.path=/nonexistent/model", "model.path '/nonexistent/model' has no config.json"),
     ({"model__path": ""}, None, "model.path is missing"),
     ({}, "algorithm.loss_args.clip_lo=0.1", "does not accept clip_lo; it accepts: clip_high, clip_low"),
