@@ -9,8 +9,6 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from transformers import AutoConfig
-
 from molt_core import hookimpl, multimodal
 from molt_core.config import ConfigError
 from molt_core.contracts import RolloutContext
@@ -53,6 +51,7 @@ class GymAgent:
         self._openings: dict[str, tuple[str, list[int]]] = {}   # text-only first prompts
         # a prompt longer than this many characters cannot fit (each token spells at most its
         # longest vocabulary entry's): rejected before tokenizing (20 MB: 6 min, 8.8 GB)
+        from transformers import AutoConfig     # here: `molt plugins` imports no transformers
         self.max_chars = AutoConfig.from_pretrained(self.model_path).get_text_config() \
             .max_position_embeddings * max(map(len, tokenizer.get_vocab())) if cfg else None
 
