@@ -75,10 +75,10 @@ def check_against_plugins(cfg: Config, plugins: Plugins) -> None:
     plugins.check_args("agent.args", "agent", cfg.agent.name, cfg.agent.args)
     plugins.check_args("engine.args", "engine", cfg.engine.name, cfg.engine.args)
     clip = sorted(k for k in a.loss_args if "clip" in k)
-    if clip and a.correction != "none" and cfg.trainer.mini_batches * cfg.trainer.epochs == 1:
+    if clip and cfg.trainer.mini_batches * cfg.trainer.epochs == 1:
         structlog.get_logger("molt").warning(
-            f"algorithm.loss_args {clip} do not act: under algorithm.correction={a.correction} "
-            "the loss's ratio is pi_theta/pi_prox, which is 1 with one optimizer step per batch; "
+            f"algorithm.loss_args {clip} do not act: the loss's ratio is pi_theta/pi_prox (the "
+            "trainer's own log-probs), which is 1 with one optimizer step per batch; "
             "set trainer.mini_batches > 1 for a trust region")
 
 

@@ -44,19 +44,38 @@ def counts(mb: dict[str, torch.Tensor]) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
-def test_no_correction_is_the_loss_on_pi_behavior_aggregated(agg):
+def test_no_correction_is_the_loss_on_pi_prox_aggregated(agg):
+    """The ratio's denominator is the trainer's pi_prox (before the batch's first step), not the
+    engine's log-probs 0.3 away: the gap neither clips nor weights (issue 41.4)."""
     mb = micro_batch()
+    mb["prox_logprobs"] = (mb["behavior_logprobs"] + 0.05) * mb["loss_mask"]
     fwd = forward(mb)
     n_tok, n_seq = counts(mb)
     loss, metrics = objective(TrainStep(ppo_clip_loss, {"clip_low": 0.1}, agg), mb, fwd,
                               n_tok, n_seq)
-    per_token, expect = ppo_clip_loss(fwd.logprobs, mb["behavior_logprobs"], mb["advantages"],
+    per_token, expect = ppo_clip_loss(fwd.logprobs, mb["prox_logprobs"], mb["advantages"],
                                       mb["loss_mask"], clip_low=0.1)
     assert torch.allclose(loss, aggregate(per_token, mb["loss_mask"], agg, n_tok, n_seq))
     assert metrics.keys() == {*expect, "entropy"}
     assert torch.equal(metrics["ratio"], expect["ratio"])
     loss.backward()                                  # the gradient reaches pi_theta
     assert fwd.logprobs.grad is not None and fwd.logprobs.grad.abs().sum() > 0
+
+
+def test_an_on_policy_first_step_has_ratio_one_whatever_the_engine_gap():
+    """One optimizer step, correction none, engine log-probs off by bf16-sized noise (up to 0.5,
+    as SmolLM2 in bf16): TRL's ratio is exactly 1 there and nothing clips. Dividing by the
+    engine's log-probs clipped ~1 % of such tokens."""
+    mb = micro_batch()
+    g = torch.Generator().manual_seed(3)
+    trainer = mb["behavior_logprobs"].clone()
+    mb["behavior_logprobs"] = trainer + (torch.rand(B, T, generator=g) - 0.5) * mb["loss_mask"]
+    fwd = Forward(trainer.clone().requires_grad_(), torch.zeros(B, T))
+    _, metrics = objective(TrainStep(ppo_clip_loss, {"clip_low": 0.2, "clip_high": 0.28}), mb,
+                           fwd, *counts(mb))
+    mask = mb["loss_mask"]
+    assert torch.equal(metrics["ratio"][mask], torch.ones(int(mask.sum())))
+    assert float(metrics["clip_fraction"][mask].sum()) == 0
 
 
 def test_correction_uses_pi_prox_and_weights_each_token():
@@ -103,7 +122,7 @@ def test_kl_entropy_and_value_terms_follow_their_formulas():
     spec = TrainStep(ppo_clip_loss, terms=terms)
     assert needs_reference(spec)
     loss, metrics = objective(spec, mb, fwd, n_tok, n_seq, ref_logprobs=ref)
-    per_token, _ = ppo_clip_loss(fwd.logprobs, mb["behavior_logprobs"], mb["advantages"],
+    per_token, _ = ppo_clip_loss(fwd.logprobs, fwd.logprobs.detach(), mb["advantages"],
                                  mb["loss_mask"])
     kl = torch.exp(ref - fwd.logprobs) - 1 - (ref - fwd.logprobs)    # k3
     add = 0.3 * kl - 0.05 * fwd.entropy + 0.5 * 0.5 * (values - mb["returns"]) ** 2

@@ -60,9 +60,10 @@ def objective(spec: TrainStep, mb: dict[str, torch.Tensor], fwd: Forward, num_to
     """This micro-batch's share of the step's loss, and its metrics ([b, T] per token or scalars):
       l_t  = loss_fn(pi_theta, pi_old, A, mask, **loss_args)_t * w_t + terms_t
       loss = aggregate(l, mask, loss_agg, N_tokens, N_seqs) + aux_coef * aux * n_seqs / N_seqs
-    pi_theta = `fwd.logprobs` (`token_logprobs` of the micro-batch `mb`). Correction "none":
-    pi_old = pi_behavior, w = 1; else pi_old = pi_prox (`mb["prox_logprobs"]`, or pi_theta
-    detached) and w = `algos.is_correction(pi_prox, pi_behavior, mask, correction, ...)`.
+    pi_theta = `fwd.logprobs` (`token_logprobs` of the micro-batch `mb`); pi_old = pi_prox, the
+    trainer's own (`mb["prox_logprobs"]` before the batch's first step, or pi_theta detached), never
+    the engine's: its kernel/bf16 gap would clip on-policy tokens. w = 1 under correction "none",
+    else `algos.is_correction(pi_prox, pi_behavior, mask, correction, ...)`.
     terms: `algos.loss_terms` (KL to `ref_logprobs` if `kl_in` is "loss", entropy, the critic on
     `fwd.values`). aux: MoE's load-balancing loss, by the micro-batch's n_seqs of the step's N_seqs
     sequences (the step's sum is their mean). N_tokens, N_seqs: the whole step's (all ranks)."""
@@ -73,8 +74,7 @@ def objective(spec: TrainStep, mb: dict[str, torch.Tensor], fwd: Forward, num_to
                                      rollout_index=mb.get("rollout_index"), ref_logprobs=None)}
     kw.update({k: ref_logprobs for k in kw if k == "ref_logprobs"})
     prox = mb["prox_logprobs"] if "prox_logprobs" in mb else lp.detach()
-    old = behavior if spec.correction == "none" else prox      # the ratio's denominator
-    per_token, metrics = spec.loss_fn(lp, old, mb["advantages"], mask, **kw)
+    per_token, metrics = spec.loss_fn(lp, prox, mb["advantages"], mask, **kw)
     if spec.correction != "none":
         weight, is_metrics = is_correction(prox, behavior, mask, spec.correction,
                                            rollout_index=mb.get("rollout_index"),
