@@ -16,7 +16,15 @@ import numpy as np
 
 from molt_core.lazy import torch
 
-__all__ = ["Completion", "ImageInput", "InvariantError", "Trajectory", "collate"]
+__all__ = ["Completion", "ImageInput", "InvariantError", "Trajectory", "as_reward", "collate"]
+
+
+def as_reward(value: Any) -> float:
+    """A reward as a float; text is refused (float("0.5") would silently score a string)."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        raise TypeError(f"reward {value!r} is a {type(value).__name__}, not a number: return a "
+                        "float (or int/bool)")
+    return float(value)
 
 
 class InvariantError(RuntimeError):

@@ -47,6 +47,9 @@ def first_letter(completion, answer):
 def broken(completion, answer):
     return {"a": 1}[answer]
 
+def as_text(completion, answer):
+    return "0.5"
+
 def two_values(completions, **kwargs):
     return [1.0, 2.0]
 
@@ -154,6 +157,10 @@ def test_bad_reward_functions_name_themselves_and_the_row(data, tiny_chars_dir):
     run(env.reset(0))
     with pytest.raises(RuntimeError, match="two_values.*returned \\[1.0, 2.0\\]; expected a list "
                                            "of one float"):
+        run(env.step("x"))
+    env = Dataset(data="rows.jsonl", test_fraction=0.0, reward="my_rewards:as_text")
+    run(env.reset(0))                     # float("0.5") scored a string as 0.5 (issue 41.11)
+    with pytest.raises(RuntimeError, match="as_text.*reward '0.5' is a str, not a number"):
         run(env.step("x"))
     env = Dataset(data="rows.jsonl", test_fraction=0.0, shuffle=False, reward="my_rewards:exact")
     run(env.reset(9))                                   # every function None: NaN, dropped

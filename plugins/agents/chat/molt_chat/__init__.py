@@ -13,7 +13,7 @@ from molt_core import hookimpl
 from molt_core.config import Config
 from molt_core.contracts import RolloutContext
 from molt_core.multimodal import require_chat_template
-from molt_core.trajectory import Trajectory
+from molt_core.trajectory import Trajectory, as_reward
 from molt_chat.compaction import Compactor
 
 __all__ = ["ChatAgent", "ChatContext", "ChatRunner", "Compactor"]
@@ -82,10 +82,10 @@ class ChatRunner:
                                f"re-rendered history); agent.args.max_segments="
                                f"{self.max_segments}")
         if isinstance(result, (list, tuple)):
-            traj.turn_rewards = [float(r) for r in result]
+            traj.turn_rewards = [as_reward(r) for r in result]
             traj.reward = sum(traj.turn_rewards)
         else:
-            traj.reward = float(result)
+            traj.reward = as_reward(result)
         traj.info.update(chat.info)
         return traj
 

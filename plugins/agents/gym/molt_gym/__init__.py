@@ -12,7 +12,7 @@ from typing import Any
 from molt_core import hookimpl, multimodal
 from molt_core.config import ConfigError
 from molt_core.contracts import RolloutContext
-from molt_core.trajectory import ImageInput, Trajectory
+from molt_core.trajectory import ImageInput, Trajectory, as_reward
 from molt_gym.envs import Dataset, Env, MathProblems, Observation
 from molt_gym.toy_envs import Addition, Arithmetic, Colours, GuessNumber, NextLetter, Spell
 
@@ -91,7 +91,7 @@ class GymAgent:
             traj.add_completion(completion)
             action = self.tok.decode(completion.token_ids, skip_special_tokens=True)
             obs, reward, done, info = await env.step(action)
-            rewards.append(float(reward))
+            rewards.append(as_reward(reward))
             traj.info.update(info)
             if done or obs is None or turn == self.max_turns - 1:
                 break

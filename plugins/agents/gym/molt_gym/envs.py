@@ -16,6 +16,7 @@ import numpy as np
 
 from molt_core.contracts import Env, Observation
 from molt_core.plugins import import_module
+from molt_core.trajectory import as_reward
 
 __all__ = ["Dataset", "Env", "MathProblems", "Observation"]
 
@@ -121,7 +122,7 @@ async def _call(fn: Callable, completion: str, prompt: Observation, columns: dic
         raise TypeError(f"returned {out!r}; expected a list of one float (or None) per completion")
     out = out[0] if trl else out
     value, info = out if isinstance(out, tuple) else (out, {})
-    return None if value is None else float(value), info
+    return None if value is None else as_reward(value), info
 
 
 class Dataset(Env):
