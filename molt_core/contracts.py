@@ -134,7 +134,7 @@ class RolloutScheme(Protocol):
 
 class RolloutGenerator(Protocol):
     """What a rollout scheme gets as `generator` (`rollout.generator.Generator`): fresh groups,
-    or those of the pool (`rollout.pool`); every call blocks."""
+    or those of its pools; every call blocks."""
 
     counters: dict[str, float]      # the run's counters, logged each step
 
