@@ -20,9 +20,11 @@ class Run(NamedTuple):
 
 def _as_args(d: dict, prefix: str = "") -> list[str]:
     """`key=value` strings (JSON: YAML reads it); a nested non-empty dict merges key by key,
-    as dotted keys do, instead of replacing the whole section."""
+    as dotted keys do, instead of replacing the whole section (unless a key holds a dot or an
+    `=`, e.g. a reward `./r.py:f`: that dict is one value)."""
     return [a for k, v in d.items() for a in (
-        _as_args(v, f"{prefix}{k}.") if isinstance(v, dict) and v
+        _as_args(v, f"{prefix}{k}.") if isinstance(v, dict) and v and not any(
+            "." in str(j) or "=" in str(j) for j in v)
         else [f"{prefix}{k}={json.dumps(v, default=str)}"])]
 
 

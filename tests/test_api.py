@@ -56,8 +56,8 @@ def test_docs_example_trains_from_the_recipe_and_the_python_api(tiny_chars_dir, 
     (saved,) = (run.run_dir / "trajectories").glob("*.parquet")
     infos = [json.loads(i) for i in pq.read_table(saved, columns=["info"])["info"].to_pylist()]
     assert {i["row"] for i in infos} == set(range(8))           # one step = 16 groups: 2 epochs
-    assert all(set(i) == {"row", "reward/rewards:next_letter", "reward/rewards:is_letter"}
-               for i in infos)
+    assert all(set(i) == {"row", "line", "columns", "reward/rewards:next_letter",
+                          "reward/rewards:is_letter"} for i in infos)    # line, columns: molt view
 
     # a Config from load_recipe, changed in Python, is a recipe again (train takes it so)
     cfg = molt_core.load_recipe("letters.yaml", ["trainer.steps=1"])
