@@ -53,7 +53,7 @@ class GymAgent:
         # longest vocabulary entry's): rejected before tokenizing (20 MB: 6 min, 8.8 GB)
         from transformers import AutoConfig     # here: `molt plugins` imports no transformers
         self.max_chars = AutoConfig.from_pretrained(self.model_path).get_text_config() \
-            .max_position_embeddings * max(map(len, tokenizer.get_vocab())) if cfg else None
+            .max_position_embeddings * max(map(len, tokenizer.get_vocab())) if cfg and tokenizer else None
 
     def opening(self, messages: list[dict]) -> tuple[str, list[int], list[ImageInput]]:
         """The first prompt as text and ids; a group's rollouts share it, so text-only ones are
