@@ -163,16 +163,6 @@ class Trajectory:
         if (ends := [x for c in self.calls for x in c]) != sorted(ends) or ends[-1:] > [n]:
             raise InvariantError(f"{who}: calls {self.calls} are not ordered [start, end) spans "
                                  f"of its {n} tokens; only add_completion records calls")
-        sampled = {i for a, b in self.calls for i in range(a, b)}
-        for i, (tok, m, lp, v) in enumerate(zip(self.token_ids, self.loss_mask, self.logprobs,
-                                                self.versions)):
-            if not isinstance(tok, int) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
-                raise InvariantError(f"{who}: token id {tok!r} at position {i} is outside the "
-                                     f"vocabulary [0, {vocab_size})")
-            if m and (v < 0 or not (lp <= 0.0) or math.isinf(lp) or i not in sampled):
-                raise InvariantError(f"{who}: trainable token at position {i} has no sampling "
-                                     f"record (version {v}, log-prob {lp}); trainable tokens must "
-                                     "come from engine completions (Trajectory.add_completion)")
         end = 0
         for im in self.images:
             span = range(im.start, im.start + im.num_tokens)
@@ -183,6 +173,16 @@ class Trajectory:
                                      "tokens, are trainable or cross a segment; images enter "
                                      "only through add_prompt")
             end = span.stop
+        sampled = {i for a, b in self.calls for i in range(a, b)}
+        for i, (tok, m, lp, v) in enumerate(zip(self.token_ids, self.loss_mask, self.logprobs,
+                                                self.versions)):
+            if not isinstance(tok, int) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
+                raise InvariantError(f"{who}: token id {tok!r} at position {i} is outside the "
+                                     f"vocabulary [0, {vocab_size})")
+            if m and (v < 0 or not (lp <= 0.0) or math.isinf(lp) or i not in sampled):
+                raise InvariantError(f"{who}: trainable token at position {i} has no sampling "
+                                     f"record (version {v}, log-prob {lp}); trainable tokens must "
+                                     "come from engine completions (Trajectory.add_completion)")
         if n and self.loss_mask[0]:
             raise InvariantError("the first token of a trajectory cannot be trainable: it has no "
                                  "context to be sampled from")
