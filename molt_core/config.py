@@ -213,6 +213,20 @@ class LogConfig:
 
 
 @dataclass
+class SftConfig:
+    """`molt sft` (`molt_core.sft_trainer`): supervised fine-tuning on chat rows; the trainer,
+    LoRA, lr schedule and checkpoints are `trainer.*`'s (its steps: these)."""
+    data: str = ""                       # JSONL/Parquet/CSV file or `datasets` dir: messages
+                                         # (+ tools) or prompt/completion rows
+    epochs: int = 1                      # passes over the training rows (when steps is 0)
+    steps: int = 0                       # optimizer steps; 0: epochs x rows / batch_size
+    batch_size: int = 8                  # rows per optimizer step
+    eval_fraction: float = 0.1           # held-out rows for eval/loss (by a hash of the row)
+    eval_every: int = 0                  # steps between eval/loss rows (0: first and last only)
+    max_tokens: int = 0                  # a longer row is an error; 0: the model's context
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -225,6 +239,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
     seed: int = 0                        # seeds sampling, init and tasks
     name: str = "run"                    # run directory prefix
     out_dir: str = "runs"                # run directories go under it
