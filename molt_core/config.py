@@ -106,6 +106,8 @@ class TrainerConfig:
     mini_batches: int = 1                # optimizer steps per epoch over one rollout batch
     epochs: int = 1                      # passes over one rollout batch
     max_nonfinite_steps: int = 3         # steps in a row with a NaN/inf loss or grad norm: abort
+    dead_run_steps: int = 5              # steps in a row with every group flat (one reward) or
+                                         # nothing to train: warn once, with the fixes (0: never)
     logprob_chunk: int = 1024            # trainable tokens per lm_head chunk
     timeout_s: float = 300.0             # collectives and trainer RPCs
     weight_sync_bucket_mb: float = 64.0  # tensors per weight-sync bucket

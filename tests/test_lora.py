@@ -225,7 +225,8 @@ def test_adapted_linear_computes_the_engines_merged_weights():
 def test_frozen_head_gradient_is_autograds(entropy):
     """A frozen lm_head (LoRA) makes d logp / dh in forward; a trained one (or entropy's gradient)
     recomputes the logits in backward: both are autograd's through log_softmax (temperature and
-    banned ids included)."""
+    banned ids included). Without the entropy term the loss must not touch `got_ent` at all: a
+    0 * entropy still sends its gradient and takes the recompute path."""
     from molt_core.policy.logprobs import _Head
     torch.manual_seed(0)
     head, banned = torch.nn.Linear(16, 50, bias=False), torch.tensor([3, 7])
@@ -238,5 +239,5 @@ def test_frozen_head_gradient_is_autograds(entropy):
         head.weight.requires_grad_(not frozen)
         x = h0.clone().requires_grad_()
         got_lp, got_ent = _Head.apply(x, t, head, banned, 0.7)
-        (got_lp * g + entropy * got_ent).sum().backward()
+        (got_lp * g + entropy * got_ent if entropy else got_lp * g).sum().backward()
         torch.testing.assert_close(x.grad, h.grad, rtol=1e-5, atol=1e-6)
