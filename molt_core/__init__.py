@@ -10,11 +10,11 @@ __version__ = "0.1.0"
 # support with a module attribute, e.g. `MOLT_HOOK_API = ">=1,<2"`.
 HOOK_API_VERSION = 1
 __all__ = ["Config", "HOOK_API_VERSION", "Run", "evaluate", "export", "hookimpl", "load_recipe",
-           "train"]
+           "sft", "train"]
 # the Python API (molt_core.api), imported on first use: `import molt_core` imports no torch
 _LAZY = {"Config": "molt_core.config", "export": "molt_core.run.checkpoint", "Run": "molt_core.api",
          "evaluate": "molt_tools.evaluate", "load_recipe": "molt_core.api",
-         "train": "molt_core.api"}
+         "sft": "molt_core.api", "train": "molt_core.api"}
 
 
 def __getattr__(name: str) -> Any:

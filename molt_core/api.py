@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 from molt_core.cli import load, start
 from molt_core.config import Config, to_dict
 
-__all__ = ["Run", "load_recipe", "recipe_args", "train"]
+__all__ = ["Run", "load_recipe", "recipe_args", "sft", "train"]
 
 
 class Run(NamedTuple):
@@ -49,3 +49,11 @@ def train(recipe: Any = None, overrides: Any = (), *, plugins: list[str] = (),
     """`molt run RECIPE [overrides] [--plugin ...] [--resume RUN_DIR]`."""
     return Run(*start(*recipe_args(recipe, overrides), list(plugins), progress=progress,
                       resume=resume and str(resume), argv=["molt_core.train"]))
+
+
+def sft(recipe: Any = None, overrides: Any = (), *, plugins: list[str] = (),
+        progress: bool = False) -> Run:
+    """`molt sft RECIPE [overrides] [--plugin ...]`: its run dir (the model: `final/`) and rows."""
+    from molt_core.sft_trainer import start as start_sft
+    return Run(*start_sft(*recipe_args(recipe, overrides), list(plugins), progress=progress,
+                          argv=["molt_core.sft"]))

@@ -20,6 +20,8 @@ __all__ = ["COMMANDS", "main", "parse"]
 # name -> (help, add_args(parser), main(args) -> exit code)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "run": ("train with a recipe", "molt_core.cli:run_args", "molt_core.cli:run"),
+    "sft": ("supervised fine-tuning on chat rows (sft.data), on the same trainer",
+            "molt_core.sft_trainer:sft_args", "molt_core.sft_trainer:main"),
     "validate": ("check a recipe, start nothing", "molt_core.cli:recipe_args",
                  "molt_core.cli:validate"),
     "plugins": ("list loaded plugins and the hooks they implement", "molt_core.cli:plugin_args",
@@ -52,6 +54,7 @@ CALC = ("  (its model, built once: python -m molt_tools.calculator_model "
         ".cache/tiny-qwen3-calculator)")
 EXAMPLES: dict[str, list[str]] = {
     "run": [f"molt run {R} trainer.steps=50 seed=1", "molt run --resume runs/next_letter-20261201-120000"],
+    "sft": ["molt sft recipes/cpu/smollm2_agent.yaml sft.data=demos.jsonl sft.epochs=3"],
     "validate": [f"molt validate {R} algorithm.estimator=rloo"],
     "plugins": ["molt plugins", "molt plugins -p no:sink_wandb"],
     "config": [f"molt config {R} trainer.lr=3e-4"],

@@ -107,17 +107,18 @@ class MetricsSink:
         numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and "/" in k}
         for sink in self.sinks:
             sink.log(step, numbers)
-        if "reward/mean" not in row:          # a held-out evaluation row (molt_core.rollout.eval)
+        if "reward/mean" not in row and "train/loss" not in row:   # a held-out evaluation row
             structlog.get_logger("molt").info("eval", step=step, **{
                 k[5:]: round(v, 4) for k, v in numbers.items() if k.startswith("eval/")})
             return
-        reward, step_s = row.get("reward/mean", float("nan")), row.get("time/step_s", 0.0)
+        what = "reward" if "reward/mean" in row else "loss"     # molt sft: no reward
+        reward, step_s = row.get(f"{what}/mean", row.get("train/loss")), row.get("time/step_s", 0)
         if self.show:
             self.progress.update(self.task, completed=step + 1,
-                                 info=f"reward {reward:.3f}  step {step_s:.2f}s")
+                                 info=f"{what} {reward:.3f}  step {step_s:.2f}s")
         else:
             structlog.get_logger("molt").info("step", step=f"{step + 1}/{self.total}",
-                                              reward=round(reward, 4), step_s=round(step_s, 3))
+                                              **{what: round(reward, 4)}, step_s=round(step_s, 3))
 
     def completions(self, step: int, trajs: list, tokenizer: Any, log: Any) -> None:
         """Sinks with `log_completions(step, rows)`: a saved step's rollouts as TRL's completions

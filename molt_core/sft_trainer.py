@@ -1,0 +1,222 @@
+"""`molt sft RECIPE [k=v ...]` and `molt_core.sft`: supervised fine-tuning on the RL trainer
+(`Policy.train` with a masked NLL loss: LoRA or full, bf16 over fp32 masters, micro-batches,
+checkpoints, `RUN_DIR/final`, metric sinks). A row's tokens and loss mask are what the chat server
+records for that conversation: each assistant reply goes through a `ChatSession` as if an engine
+had sampled its canonical tokens, so a trained turn is token for token an RL rollout's."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import sys
+import zlib
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from molt_core.chat import api as chat_api
+from molt_core.chat.server import ChatSession
+from molt_core.config import Config, ConfigError, to_dict
+from molt_core.trajectory import Completion, Trajectory, collate
+
+__all__ = ["main", "nll", "render_row", "sft", "sft_args", "start"]
+
+
+def nll(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+        mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The SFT loss per token: -log pi(token) ([B, T]; `aggregate` means it over the mask)."""
+    return -logprobs, {}
+
+
+def _messages(row: dict) -> tuple[list, Any]:
+    """A row's messages and tools; prompt/completion rows (text or messages) as messages."""
+    if "messages" in row:
+        return row["messages"], row.get("tools")
+    as_list = lambda x, role: [{"role": role, "content": x}] if isinstance(x, str) else x  # noqa
+    msgs = as_list(row["prompt"], "user") + as_list(row["completion"], "assistant")
+    return msgs, row.get("tools")
+
+
+def render_row(row: dict, tokenizer: Any, stop_ids: list[int], max_tokens: int) -> Trajectory:
+    """The trajectory the chat server records for `row`'s conversation (assistant tokens
+    trainable); a bad row raises ValueError saying why."""
+    msgs, tools = _messages(row)
+    try:
+        messages, tools = chat_api.openai_messages({"messages": msgs, "tools": tools})
+    except chat_api.RequestError as e:
+        raise ValueError(str(e)) from None
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not turns:
+        raise ValueError("no assistant turn: nothing to train on")
+    for i in turns:
+        calls = len(messages[i].get("tool_calls") or [])
+        results = next(j for j, m in enumerate(messages[i + 1:] + [{}]) if m.get("role") != "tool")
+        if results < calls:
+            raise ValueError(f"messages[{i}] makes {calls} tool calls but {results} tool results "
+                             "follow it")
+    render = lambda m, gen: tokenizer.apply_chat_template(  # noqa: E731
+        m, tools=tools, tokenize=False, add_generation_prompt=gen)
+    targets = []
+    for i in turns:
+        prompt, full = render(messages[:i], True), render(messages[:i + 1], False)
+        if not full.startswith(prompt):
+            raise ValueError(f"the chat template renders messages[{i}] (assistant) not as a "
+                             "continuation of its generation prompt")
+        ids = tokenizer.encode(full[len(prompt):], add_special_tokens=False)
+        stop = next((k + 1 for k, t in enumerate(ids) if t in stop_ids), len(ids))
+        targets.append(ids[:stop])      # as sampled: up to the engine's stop token
+
+    async def generate(prompt_ids: list[int], sampling: dict) -> Completion:
+        ids = targets[len(session.trajectory.calls)]
+        return Completion(ids, [0.0] * len(ids), [0] * len(ids))
+    session = ChatSession("sft", "", "", "", tokenizer, generate, {"max_new_tokens": 1 << 30},
+                          max_tokens)
+
+    async def converse() -> None:
+        for i in turns:
+            await session.turn(session.prepare(messages[:i], tools), None)
+    try:
+        asyncio.run(converse())
+    except chat_api.RequestError as e:
+        raise ValueError(f"{e} (sft.max_tokens={max_tokens})") from None
+    return session.trajectory
+
+
+def _rows(path: str) -> list[tuple[int, dict]]:
+    from molt_gym.envs import _rows as read      # the dataset env's reader: JSONL/Parquet/CSV/dir
+    if not path or not Path(path).exists():
+        raise ConfigError(f"sft.data '{path}' does not exist: point it at a JSONL, Parquet or "
+                          "CSV file or a `datasets` directory of chat rows")
+    return list(read(path))
+
+
+def load_data(cfg: Config, tokenizer: Any, stop_ids: list[int], max_tokens: int
+              ) -> tuple[list[Trajectory], list[Trajectory]]:
+    """(training rows, held-out rows) as trajectories, one per chat segment."""
+    train, held = [], []
+    for line, row in _rows(cfg.sft.data):
+        try:
+            traj = render_row(row, tokenizer, stop_ids, max_tokens)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{cfg.sft.data} row {line}: {e}") from None
+        key = zlib.crc32(repr(sorted(row.items())).encode()) % 10_000
+        (held if key < cfg.sft.eval_fraction * 10_000 else train).extend(traj.split_segments())
+    if not train:
+        raise ConfigError(f"{cfg.sft.data}: no training rows (sft.eval_fraction "
+                          f"{cfg.sft.eval_fraction} holds them all out)")
+    return train, held
+
+
+def _batch(rows: list[Trajectory], pad: int) -> dict[str, torch.Tensor]:
+    return collate(rows, [[float(m) for m in t.loss_mask] for t in rows], pad)
+
+
+def eval_loss(policy: Any, rows: list[Trajectory], pad: int, size: int) -> float:
+    """Mean NLL per assistant token of `rows` under the current weights."""
+    total = count = 0.0
+    for s in range(0, len(rows), size):
+        b = _batch(rows[s:s + size], pad)
+        total -= float(policy.logprobs(b)[b["loss_mask"]].sum())
+        count += float(b["loss_mask"].sum())
+    return total / max(count, 1.0)
+
+
+class _Cursor:
+    """The data order, in the checkpoint where the RL generator's state goes."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed, self.pos = n, seed, 0
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        for p in range(self.pos, self.pos + k):
+            order = list(range(self.n))
+            random.Random(self.seed * 1_000_003 + p // self.n).shuffle(order)   # per epoch
+            out.append(order[p % self.n])
+        self.pos += k
+        return out
+
+    def state_dict(self) -> dict:
+        return {"buffer": [], "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = state["pos"]
+
+
+def sft(cfg: Config, plugins: Any, run_dir: Path | None, progress: bool = True) -> list[dict]:
+    """`sft.steps` (or epochs) optimizer steps of the masked NLL; per-step and `eval/loss` rows."""
+    from transformers import AutoConfig
+
+    from molt_core import multimodal
+    from molt_core.engines import default_stop_ids
+    from molt_core.policy.objective import TrainStep
+    from molt_core.run import cluster
+    from molt_core.run.checkpoint import Checkpointer
+    from molt_core.run.metrics import MetricsSink
+    from molt_core.trainer import _Log
+
+    tok = multimodal.load_tokenizer(cfg.model.path, cfg.model.chat_template)
+    model_cfg = AutoConfig.from_pretrained(cfg.model.path)
+    max_tokens = cfg.sft.max_tokens or model_cfg.get_text_config().max_position_embeddings
+    train, held = load_data(cfg, tok, default_stop_ids(cfg.model.path, model_cfg), max_tokens)
+    s, pad = cfg.sft, tok.pad_token_id or 0
+    steps = s.steps or math.ceil(len(train) * s.epochs / s.batch_size)
+    local = cluster.embedded(cfg, True, torch.cuda.is_available())
+    cfg = replace(cfg, trainer=replace(cfg.trainer, steps=steps, epochs=1, mini_batches=1),
+                  engine=replace(cfg.engine, num_engines=0, cpus_per_engine=1.0),  # none
+                  eval=replace(cfg.eval, every=(s.eval_every or steps) if held else 0),
+                  ray=replace(cfg.ray, embedded="on" if local else cfg.ray.embedded))
+    torch.manual_seed(cfg.seed)
+    spec = TrainStep(nll, loss_agg="token-mean")
+    with cluster.start(cfg, plugins) as (policy, _):
+        cursor = _Cursor(len(train), cfg.seed)
+        ckpt = Checkpointer(cfg, run_dir, policy, [], cursor, None, plugins)
+        sink = MetricsSink(run_dir, steps, progress,
+                           [plugins.get("metric_sink", k)(run_dir, cfg) for k in cfg.log.sinks])
+        log = _Log(cfg, plugins, sink, lambda **_: {
+            "eval/loss": eval_loss(policy, held, pad, cfg.trainer.micro_batch_size)})
+        try:
+            for step in range(steps):
+                log.held_out(step)
+                rows = [train[i] for i in cursor.take(s.batch_size)]
+                m = policy.train(_batch(rows, pad), spec)
+                m = {k: v for k, v in m.items() if not k.startswith("mismatch/")}
+                log(step, m | {"train/tokens": sum(t.num_trainable for t in rows),
+                               "policy/version": step + 1})
+                if ckpt.step_end(step, step + 1):
+                    return log.history
+            log.held_out(steps)
+        finally:
+            ckpt.close()
+            sink.close()
+    return log.history
+
+
+def sft_args(p: Any) -> None:
+    from molt_core.cli import recipe_args
+    recipe_args(p, help="a recipe with an sft: section (sft.data: the chat rows)")
+    p.add_argument("--no-progress", action="store_true", help="one log line per step")
+
+
+def start(recipe: str | None, overrides: list[str], plugin_names: list[str] = (),
+          blocked: list[str] = (), *, progress: bool = True, argv: list[str] = ()
+          ) -> tuple[Path, list[dict]]:
+    from molt_core.cli import load
+    from molt_core.run.metrics import make_run_dir
+    cfg, plugins = load(recipe, overrides, plugin_names, blocked)
+    run_dir = make_run_dir(cfg.out_dir, cfg.name, to_dict(cfg), plugins.info, cfg.seed, list(argv))
+    print(f"run dir: {run_dir}", file=sys.stderr)
+    return run_dir, sft(cfg, plugins, run_dir, progress)
+
+
+def main(args: Any) -> int:
+    run_dir, history = start(args.recipe, args.overrides, args.plugin, args.blocked,
+                             progress=not args.no_progress, argv=["molt", *args.argv])
+    evals = [h["eval/loss"] for h in history if "eval/loss" in h]
+    if evals:
+        print(f"eval/loss: {evals[0]:.4f} -> {evals[-1]:.4f}")
+    print(f"model: {run_dir / 'final'} (model.path for molt run)")
+    return 0
