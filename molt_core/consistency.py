@@ -3,15 +3,13 @@ per-step check, its probe on fresh tokens, and the comparison the weight-sync ca
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
 from molt_core.config import Config
+from molt_core.contracts import RolloutGenerator
 from molt_core.trajectory import Trajectory, collate
-
-if TYPE_CHECKING:
-    from molt_core.rollout.generator import Generator
 
 __all__ = ["ForwardConsistencyError", "check_consistency", "logprob_gaps", "probe_consistency"]
 
@@ -20,7 +18,8 @@ class ForwardConsistencyError(RuntimeError):
     """Engine and trainer disagree on the model (invariant 3)."""
 
 
-def probe_consistency(generator: Generator, policy: Any, version: int, temperature: float) -> float:
+def probe_consistency(generator: RolloutGenerator, policy: Any, version: int, temperature: float
+                      ) -> float:
     """Max |engine - trainer| log-prob over the trainable tokens of one fresh group that the
     engines sampled with `version` (the trainer's current weights)."""
     generator.counters["check/probe_groups"] += 1
