@@ -45,9 +45,10 @@ def _run(path: Path, fn, **trainer):
 
 
 def _zero_grad_step(w: PolicyWorker, critic: torch.nn.Module | None = None) -> None:
-    """One real optimizer step (`_optimizer_step`: clip, schedule) on all-zero gradients."""
+    """One real optimizer step (`_optimizer_step`: clip, schedule) on gradients of 1e-15: Adam
+    moves an entry by <= lr * 1e-15 / eps (an exactly zero gradient skips the step)."""
     for p in (p for g in w.optim.param_groups for p in g["params"]):
-        p.grad = torch.zeros_like(p)
+        p.grad = torch.full_like(p, 1e-15)
     w._optimizer_step(0.0, critic)
 
 
@@ -56,7 +57,7 @@ def _full(w: PolicyWorker) -> dict[str, torch.Tensor]:
 
 
 def test_weight_decay_spares_biases_and_norm_weights(biased_dir):
-    """lr 0.1, weight_decay 0.5, zero gradients: Adam's update is 0, so only decay moves a
+    """lr 0.1, weight_decay 0.5, ~zero gradients: Adam's update is ~0, so only decay moves a
     parameter: linear weights and embeddings shrink by 1 - 0.05, biases and norm weights stay."""
     def step(w: PolicyWorker):
         assert all(g["eps"] == 1e-3 for g in w.optim.param_groups)       # trainer.eps
@@ -72,7 +73,7 @@ def test_weight_decay_spares_biases_and_norm_weights(biased_dir):
             "model.layers.0.input_layernorm.weight", "model.norm.weight"} <= spared
     for n in before:
         torch.testing.assert_close(after[n], before[n] if n in spared else before[n] * 0.95,
-                                   msg=n, rtol=1e-6, atol=0)
+                                   msg=n, rtol=1e-6, atol=1e-12)
 
 
 def test_lora_groups_only_the_adapters(biased_dir):
@@ -86,6 +87,46 @@ def test_lora_groups_only_the_adapters(biased_dir):
     trainable, grouped = _run(biased_dir, groups, weight_decay=0.1, lora=LoraConfig(rank=4))
     assert {p for _, p in grouped} == trainable and len(grouped) == len(trainable)
     assert {wd for wd, _ in grouped} == {0.1}
+
+
+def test_a_step_with_no_learning_signal_changes_nothing(tiny_model_dir):
+    """After a real step (AdamW has momentum; weight decay 0.1), a batch whose advantages are all
+    0 (every group flat) leaves every weight, every moment and the schedule as they were, and is
+    counted (`train/no_signal_steps`); with an entropy term the same batch has a gradient and
+    trains. Before, AdamW stepped on the zero gradient (momentum, decay)."""
+    def state(w: PolicyWorker) -> dict[str, torch.Tensor]:
+        moments = {f"{i}.{k}": gathered(v).detach().clone()
+                   for i, s in enumerate(w.optim.state.values()) for k, v in s.items()}
+        return {**_full(w), **moments, "lr": torch.tensor(w.optim.param_groups[0]["lr"])}
+
+    def steps(w: PolicyWorker):
+        batch = make_batch(str(tiny_model_dir))
+        flat, spec = {**batch, "advantages": torch.zeros_like(batch["advantages"])}, TrainStep(
+            ppo_clip_loss)
+        out = w.train_step(batch, spec, int(batch["loss_mask"].sum()), 6)
+        before = state(w)
+        skipped = w.train_step(flat, spec, int(batch["loss_mask"].sum()), 6)
+        after = state(w)
+        entropy = TrainStep(ppo_clip_loss, terms={"entropy_coef": 0.01})
+        trained = w.train_step(flat, entropy, int(batch["loss_mask"].sum()), 6)
+        return out, before, skipped, after, trained, state(w)
+
+    policy = Policy(str(tiny_model_dir), TrainerConfig(timeout_s=60.0, weight_decay=0.1,
+                                                       lr_schedule="linear", steps=10))
+    try:
+        out, before, skipped, after, trained, last = steps(policy.workers[0].worker)
+        assert out["grad_norm"] > 0 and before.keys() == after.keys()
+        changed = [k for k in before if not torch.equal(before[k], after[k])]
+        assert not changed, f"a step with no learning signal changed {changed[:5]}"
+        assert skipped["no_signal"] and skipped["grad_norm"] == 0 and not skipped["nonfinite"]
+        flat = make_batch(str(tiny_model_dir), seed=3)
+        assert policy.train(flat, TrainStep(ppo_clip_loss))["train/no_signal_steps"] == 0
+        flat["advantages"].zero_()
+        assert policy.train(flat, TrainStep(ppo_clip_loss))["train/no_signal_steps"] == 1
+    finally:
+        policy.shutdown()
+    assert not trained["no_signal"] and trained["grad_norm"] > 0
+    assert any(not torch.equal(after[k], last[k]) for k in after)
 
 
 @pytest.mark.parametrize("schedule", ["linear", "cosine", "constant"])

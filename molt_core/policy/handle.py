@@ -149,7 +149,8 @@ class Policy:
         its own global counts); returns plain-float metrics, token-weighted over all steps (`loss`,
         `grad_norm`, `train/lr`: the mean step's). More than one step: pi_prox comes first, on the weights
         before them. A non-finite loss or grad norm skips the step (`faults/nonfinite_steps`,
-        total); `trainer.max_nonfinite_steps` of them in a row raise."""
+        total); `trainer.max_nonfinite_steps` of them in a row raise. So is one whose gradient is
+        exactly zero (no learning signal: `train/no_signal_steps`, this batch's)."""
         B = batch["input_ids"].shape[0]
         k = min(self.cfg.mini_batches, B)
         bounds = _cuts(batch, [j * (B // k) + min(j, B % k) for j in range(1, k)])
@@ -170,7 +171,8 @@ class Policy:
         metrics = {"loss": sum(o["loss"] for o in outs) / len(steps),
                    "grad_norm": sum(step[0]["grad_norm"] for step in steps) / len(steps),
                    "train/lr": sum(step[0]["lr"] for step in steps) / len(steps),
-                   "faults/nonfinite_steps": self.nonfinite_steps}
+                   "faults/nonfinite_steps": self.nonfinite_steps,
+                   "train/no_signal_steps": sum(step[0]["no_signal"] for step in steps)}
         for k in outs[0]["sums"]:
             count = sum(o["counts"][k] for o in outs)
             metrics[k] = sum(o["sums"][k] for o in outs) / max(count, 1.0)

@@ -200,7 +200,8 @@ class PolicyWorker:
         global counts; the loss: `objective`); returns mergeable sums, counts and maxima. pi_prox
         is `batch["prox_logprobs"]`, the log-probs before the rollout batch's first optimizer step
         (`Policy.train`), or with one step per batch this forward's own, detached. A non-finite
-        loss or grad norm on any rank skips the step on all (`nonfinite`)."""
+        loss or grad norm on any rank skips the step on all (`nonfinite`), and so does an exactly
+        zero gradient (`no_signal`: every advantage 0 and no term with a gradient of its own)."""
         t0 = time.perf_counter()
         critic = self._critic() if "returns" in batch else None
         lr = self.optim.param_groups[0]["lr"]            # this step's (`schedule`)
@@ -219,34 +220,41 @@ class PolicyWorker:
             loss_total += float(loss.detach())
             tally.add(mb, fwd, metrics, spec.version)
         t1 = time.perf_counter()
-        grad_norm, finite = self._optimizer_step(loss_total, critic)
+        grad_norm, finite, signal = self._optimizer_step(loss_total, critic)
         return {"loss": loss_total, "grad_norm": grad_norm, "lr": lr, "sums": tally.sums,
                 "counts": tally.counts,
                 "max": {"mismatch/max_abs": tally.max_abs, "memory/trainer_peak_gib": _peak_gib()},
-                "nonfinite": not finite,            # pi_prox given: the driver has them
+                "nonfinite": not finite, "no_signal": finite and not signal,
+                # pi_prox given: the driver has them
                 "logprobs": None if "prox_logprobs" in batch else torch.cat(trained).cpu().numpy(),
                 "time": {"train/fwd_bwd_s": t1 - t0, "train/optim_s": time.perf_counter() - t1}}
 
-    def _optimizer_step(self, loss: float, critic: torch.nn.Module | None) -> tuple[float, bool]:
-        """Clip, all-reduce the critic's grads, step unless non-finite; (grad norm, stepped)."""
+    def _optimizer_step(self, loss: float, critic: torch.nn.Module | None
+                        ) -> tuple[float, bool, bool]:
+        """Clip, all-reduce the critic's grads, step unless non-finite or the gradient is exactly
+        zero; (grad norm, finite, nonzero)."""
         _reshard(self.model)              # before the grads and the optimizer: the shards
-        grad_norm = self._clip_grads()
+        grad_norm, critic_norm = self._clip_grads(), 0.0
         if critic is not None:
             for p in critic.parameters():     # loss x world_size: SUM / world_size
                 p.grad = torch.zeros_like(p) if p.grad is None else p.grad
                 dist.all_reduce(p.grad)
                 p.grad /= self.world_size
-            torch.nn.utils.clip_grad_norm_(critic.parameters(), self.cfg["grad_clip"])
+            critic_norm = float(torch.nn.utils.clip_grad_norm_(critic.parameters(),
+                                                               self.cfg["grad_clip"]))
         if self.reference is not None:
             _reshard(self.reference)
         finite = torch.tensor(float(math.isfinite(loss) and math.isfinite(grad_norm)),
                               device=self.device)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)      # every rank steps, or none does
-        if finite.item():
+        # no learning signal (norms are global): AdamW would still move the weights on its
+        # momentum and decay, and the moments would change
+        signal = grad_norm > 0 or critic_norm > 0
+        if finite.item() and signal:
             self.optim.step()
             self.schedule.step()          # as HF's: a skipped step does not advance it
         self.optim.zero_grad(set_to_none=True)
-        return float(grad_norm), bool(finite.item())
+        return float(grad_norm), bool(finite.item()), signal
 
     def _clip_grads(self) -> float:
         """Clip the step's gradients to `trainer.grad_clip`; returns their total norm."""
