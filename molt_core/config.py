@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import re
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,14 +15,12 @@ from typing import Any, Literal
 
 import yaml
 
+from molt_core.config_rules import ConfigError, type_ok, validate
+
 __all__ = ["AgentConfig", "AlgorithmConfig", "CheckConfig", "Config", "ConfigError", "EngineConfig",
            "EvalConfig", "LogConfig", "LoraConfig", "LossTermsConfig", "ModelConfig", "RayConfig",
            "RolloutConfig", "SamplingConfig", "TrainerConfig", "apply_overrides", "from_dict",
            "load_config", "to_dict", "type_name", "type_ok"]
-
-
-class ConfigError(ValueError):
-    """A configuration problem, reported before anything starts."""
 
 
 @dataclass
@@ -248,26 +244,6 @@ class Config:
     plugins: dict = field(default_factory=dict)   # plugin sections: {section: dataclass instance}
 
 
-def type_ok(value: Any, tp: Any) -> bool:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return any(type_ok(value, a) for a in typing.get_args(tp))
-    if tp is Any:
-        return True
-    if tp is type(None):
-        return value is None
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if origin is typing.Literal:
-        return value in typing.get_args(tp)
-    try:
-        return isinstance(value, origin or tp)
-    except TypeError:               # an annotation isinstance cannot check (TypeVar, ...)
-        return True
-
-
 def from_dict(cls: type, data: Any, where: str = "") -> Any:
     """Build dataclass `cls` from a plain dict, rejecting unknown keys and wrong types."""
     if not isinstance(data, dict):
@@ -376,6 +352,5 @@ def load_config(path: str | Path | None, overrides: list[str] = (),
         raise
     cfg.plugins = {name: from_dict(cls, plugin_data.get(name, {}), name)
                    for name, cls in sections.items()}
-    from molt_core.config_rules import validate     # it imports this module
     validate(cfg)
     return cfg

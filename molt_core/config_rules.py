@@ -5,13 +5,43 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
+import types
+import typing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from molt_core.config import Config, ConfigError, SamplingConfig, type_ok
+if TYPE_CHECKING:
+    from molt_core.config import Config, SamplingConfig
 
-__all__ = ["model_facts", "validate"]
+__all__ = ["ConfigError", "model_facts", "type_ok", "validate"]
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported before anything starts."""
+
+
+def type_ok(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(type_ok(value, a) for a in typing.get_args(tp))
+    if tp is Any:
+        return True
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is typing.Literal:
+        return value in typing.get_args(tp)
+    try:
+        return isinstance(value, origin or tp)
+    except TypeError:               # an annotation isinstance cannot check (TypeVar, ...)
+        return True
+
+
 
 
 def _require(rules: list[tuple[Any, str]]) -> None:
@@ -26,6 +56,10 @@ def validate(cfg: Config) -> None:
     t, r, s = cfg.trainer, cfg.rollout, cfg.sampling
     _require([
         (t.steps > 0, f"trainer.steps must be > 0 (got {t.steps})"),
+        (not any(p.is_file() for p in (Path(cfg.out_dir).absolute(),
+                                       *Path(cfg.out_dir).absolute().parents)),
+         f"out_dir '{cfg.out_dir}' is (inside) a file, not a folder: set out_dir to a folder "
+         "(runs go to out_dir/name-TIME)"),
         (t.num_ranks >= 1, f"trainer.num_ranks must be >= 1 (got {t.num_ranks})"),
         (t.save_every >= 0 and t.keep_last >= 1,
          "trainer.save_every must be >= 0 (0: only at the end) and trainer.keep_last >= 1"),
@@ -86,9 +120,9 @@ def model_facts(path: str) -> dict[str, int]:
     """From a model's config.json: `num_experts` (0: dense) and `mtp_layers` (0: no MTP head)."""
     try:
         c = json.loads((Path(path) / "config.json").read_text())
+        if not isinstance(c, dict) or "model_type" not in c:
+            raise ValueError("not a JSON object with a model_type")
         c = {**c, **(c.get("text_config") or {})}
-        if "model_type" not in c:
-            raise ValueError("no model_type")
     except (ValueError, AttributeError) as e:
         raise ConfigError(f"{path}/config.json is not a valid model config ({e}); restore it from "
                           "the model's source") from None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import ray
 import yaml
@@ -58,18 +61,32 @@ def test_exponent_floats_without_a_dot(recipe, tmp_path):
     ({}, "algorithm.estimator=nope", "unknown estimator 'nope'; valid: dapo, dr_grpo, gigpo, grpo"),
     ({}, "algorithm.terms.kl_in=rewards", "config key 'algorithm.terms.kl_in' must be one of loss, reward, got 'rewards'"),
     ({}, "algorithm.terms.entropy_coef=-0.1", "algorithm.terms.entropy_coef must be >= 0"),
+    ({}, "out_dir=FILE/runs", "is (inside) a file, not a folder: set out_dir to a folder"),
+    ({}, "model.path=LIST", "config.json is not a valid model config (not a JSON object"),
 ])
-def test_bad_config_is_one_clear_error_and_starts_nothing(recipe, capsys, monkeypatch, change,
-                                                          override, message):
+def test_bad_config_is_one_clear_error_and_starts_nothing(recipe, capsys, monkeypatch, tmp_path,
+                                                          change, override, message):
     # Starting Ray at all is the failure (another test file may already hold a session of it).
     def no_ray(*a, **kw):
         raise AssertionError("a bad config must not start Ray")
     monkeypatch.setattr(ray, "init", no_ray)
+    (tmp_path / "a_file").write_text("")
+    (listed := tmp_path / "listed").mkdir()
+    (listed / "config.json").write_text("[1, 2]")    # a traceback before (issue 41.11)
+    override = override and override.replace("FILE", str(tmp_path / "a_file")).replace(
+        "LIST", str(listed))
     args = ["run", recipe(**change)] + ([override] if override else [])
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err, err
     assert err.count("error:") == 1
+
+
+def test_config_rules_do_not_import_config():
+    """config.py imports config_rules (validate), never the other way round (issue 41, mend 5)."""
+    code = "import sys, molt_core.config_rules; print('molt_core.config' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_wrong_section_type(recipe):
