@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from molt_core.algos import masked_mean
 from molt_core.cli import load
-from molt_core.config import TrainerConfig
+from molt_core.config import LoraConfig, TrainerConfig
 from molt_core.engines.hf import HFEngine
 from molt_core.policy.handle import Policy
 from molt_core.policy.objective import TrainStep
@@ -355,3 +355,26 @@ def test_fast_norms_are_hfs_rmsnorm(dtype):
     tol = {} if dtype == torch.float64 else {"rtol": 0.02, "atol": 0.05}
     for got, want in zip(out[1][1:], out[0][1:]):
         torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_trainer_forwards_run_without_dropout(ray_local, model_path, tmp_path, lora):
+    """Policy and reference run in eval mode: with attention dropout 0.5 in the config, every
+    trainer forward (log-probs, reference, the loss's) is the plain eval forward, bit-stable."""
+    import json
+    import shutil
+    path = shutil.copytree(model_path, tmp_path / "dropout")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(cfg | {"attention_dropout": 0.5}))
+    batch = make_batch(str(path))
+    want = batch["behavior_logprobs"] = reference_logprobs(
+        AutoModelForCausalLM.from_pretrained(path), batch)
+    policy = start(str(path), lora=LoraConfig(rank=lora, alpha=8.0))
+    try:
+        first = policy.logprobs(batch)
+        assert torch.equal(first, policy.logprobs(batch))
+        for got in (first, policy.ref_logprobs(batch)):
+            assert (got - want).abs().max() < 1e-4
+        assert policy.train(batch, TrainStep(ppo_clip, {}, "token-mean"))["mismatch/max_abs"] < 1e-4
+    finally:
+        policy.shutdown()
