@@ -60,5 +60,7 @@ def config_page() -> str:
 
 
 def on_files(files: Files, config) -> Files:
+    if stub := files.get_file_from_path(PAGE):     # the repo's stub, for links read off the site
+        files.remove(stub)
     files.append(File.generated(config, PAGE, content=config_page()))
     return files

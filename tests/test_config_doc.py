@@ -4,6 +4,8 @@ loads back to the same config."""
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 
 from molt_core.cli import load
@@ -29,3 +31,13 @@ def test_config_prints_every_key_with_its_doc_and_loads_back(tiny_recipe, tmp_pa
                                                     is not dataclasses.MISSING else None)
                     and f.name not in field_docs(s.default_factory)]
     assert not undocumented, f"config fields without a doc comment: {undocumented}"
+
+
+def test_docs_links_to_pages_resolve_in_the_repo():
+    """Relative links between docs pages point at files of docs/ (configuration.md was only in the
+    built site; issue 41.11)."""
+    docs = Path(__file__).parents[1] / "docs"
+    links = {(page.name, target) for page in docs.glob("*.md")
+             for target in re.findall(r"\]\(([\w./-]+\.md)(?:#[\w-]*)?\)", page.read_text())}
+    assert ("index.md", "configuration.md") in links
+    assert [(page, t) for page, t in links if not (docs / t).is_file()] == []
