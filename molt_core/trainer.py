@@ -9,6 +9,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import structlog
 import torch
 from transformers import AutoConfig
 
@@ -52,6 +53,7 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None, progress: 
         ckpt.flush = saved.flush
         log = _Log(cfg, plugins, sink, partial(evaluate, cfg, plugins, engines, tokenizer,
                                                 vocab_size))
+        dead = _DeadRun(cfg.trainer.dead_run_steps)
         try:
             for step in range(start, cfg.trainer.steps):
                 log.held_out(step)
@@ -60,6 +62,7 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None, progress: 
                     groups = scheme.next_batch(step)
                 groups = filter_batch(plugins, groups, step,   # refill: for DAPO-style filters
                                       getattr(scheme, "refill", generator.generate))
+                dead(step, [t for g in groups for t in g])
                 if not groups:          # the filters kept nothing: no update this step, counted
                     generator.counters["trainer/empty_batches"] += 1
                     log(step, {"version": version, **generator.counters})
@@ -142,6 +145,33 @@ class _Log:
             row = self.evaluate(progress=self.sink.note)
             self.sink.log(step, row)
             self.history.append({"step": step, **row})
+
+
+class _DeadRun:
+    """Says once that `n` steps in a row had no learning signal: every group flat (one reward for
+    all its rollouts) or no trainable token, or nothing left after the filters (0: never)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.run = n, 0
+
+    def __call__(self, step: int, trajs: list[Trajectory]) -> None:
+        groups: dict[int, set[float]] = {}
+        for t in trajs:
+            groups.setdefault(t.group_id, set()).add(t.reward)
+        flat = all(len(g) == 1 for g in groups.values()) or not any(t.num_trainable for t in trajs)
+        self.run = self.run + 1 if flat else 0
+        if self.run == self.n:
+            self.n = 0
+            mean = sum(t.reward for t in trajs) / max(len(trajs), 1)
+            structlog.get_logger("molt").warning(
+                f"no learning signal for {self.run} steps in a row (to step {step + 1}; "
+                "trainer.dead_run_steps): every group's rollouts got one reward (mean "
+                f"{mean:.3f}) or had no trainable token, so group-relative advantages are 0 and "
+                "the reward teaches nothing (such steps are skipped: train/no_signal_steps). "
+                "This policy never (or always) solves the task: cold-start it with SFT on "
+                "demonstrations (`molt sft`), give easier tasks or a reward with partial credit, "
+                "or more spread (sampling.temperature, rollout.group_size); `molt rollout RECIPE "
+                "-n 32` shows the base rate")
 
 
 def filter_batch(plugins: Plugins, groups: list, step: int, refill: Any) -> list:

@@ -71,3 +71,27 @@ def test_a_rank_in_the_driver_trains_as_its_actor_does(ray_local, tiny_chars_dir
     assert ([[h[k] for k in keys] for h in runs[True]]
             == [[h[k] for k in keys] for h in runs[False]])
     assert runs[True][-1]["version"] == 4 and runs[True][0]["grad_norm"] > 0
+
+
+def test_a_run_with_no_learning_signal_says_so_once(ray_local, tiny_chars_dir, tmp_path):
+    """trainer.dead_run_steps=2: a task no rollout can solve (one reward for all: every group
+    flat) warns once, at its second step, and its updates are skipped; the learning next_letter
+    run does not warn."""
+    import structlog
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "after a", "answer": "unreachable"}\n' * 4)
+    flat = ["agent.args.env=dataset", "agent.args.env_args={data: %s, test_fraction: 0.0, "
+            "reward: 'molt_reward_exact:exact_match'}" % (tmp_path / "rows.jsonl")]
+    said = {}
+    for name, extra in (("flat", flat), ("learning", [])):
+        cfg, plugins = load("recipes/cpu/next_letter.yaml", [
+            f"model.path={tiny_chars_dir}", "trainer.steps=4", "rollout.groups_per_step=4",
+            "trainer.dead_run_steps=2", *extra])
+        with structlog.testing.capture_logs() as logs:
+            history = train(cfg, plugins, None, progress=False)
+        said[name] = [e["event"] for e in logs if "no learning signal" in e["event"]]
+        if name == "flat":
+            assert [h["train/no_signal_steps"] for h in history] == [1] * 4
+            assert all(h["reward/zero_std_groups"] == 1.0 for h in history)
+    assert len(said["flat"]) == 1 and "for 2 steps in a row (to step 2" in said["flat"][0]
+    assert "molt sft" in said["flat"][0] and "partial credit" in said["flat"][0]
+    assert said["learning"] == [] and history[-1]["train/no_signal_steps"] == 0
