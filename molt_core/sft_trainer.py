@@ -10,6 +10,7 @@ import asyncio
 import math
 import random
 import sys
+import time
 import zlib
 from dataclasses import replace
 from pathlib import Path
@@ -181,11 +182,12 @@ def sft(cfg: Config, plugins: Any, run_dir: Path | None, progress: bool = True) 
         try:
             for step in range(steps):
                 log.held_out(step)
+                t0 = time.perf_counter()
                 rows = [train[i] for i in cursor.take(s.batch_size)]
                 m = policy.train(_batch(rows, pad), spec)
                 m = {k: v for k, v in m.items() if not k.startswith("mismatch/")}
                 log(step, m | {"train/tokens": sum(t.num_trainable for t in rows),
-                               "policy/version": step + 1})
+                               "policy/version": step + 1, "time/step_s": time.perf_counter() - t0})
                 if ckpt.step_end(step, step + 1):
                     return log.history
             log.held_out(steps)
