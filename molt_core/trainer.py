@@ -52,7 +52,7 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None, progress: 
                                  cfg.log.trajectories_per_step, generator.task_of, start)
         ckpt.flush = saved.flush
         log = _Log(cfg, plugins, sink, partial(evaluate, cfg, plugins, engines, tokenizer,
-                                                vocab_size))
+                                                vocab_size, run_dir=run_dir))
         dead = _DeadRun(cfg.trainer.dead_run_steps)
         try:
             for step in range(start, cfg.trainer.steps):
@@ -142,7 +142,7 @@ class _Log:
 
     def held_out(self, step: int) -> None:    # its own row: the weights after `step` updates
         if eval_due(self.cfg, step):
-            row = self.evaluate(progress=self.sink.note)
+            row = self.evaluate(progress=self.sink.note, step=step)
             self.sink.log(step, row)
             self.history.append({"step": step, **row})
 

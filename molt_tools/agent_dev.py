@@ -14,6 +14,7 @@ highlighted).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import signal
 import sys
 import threading
@@ -34,6 +35,10 @@ def rollout_args(p: Any) -> None:
     recipe_args(p)
     p.add_argument("-n", type=int, default=4, help="rollouts to run (default 4)")
     p.add_argument("--quiet", action="store_true", help="rewards only, no token view")
+    p.add_argument("--greedy", action="store_true",
+                   help="greedy sampling, as held-out eval's greedy pass (not for training)")
+    p.add_argument("--eval", action="store_true",
+                   help="the held-out tasks of eval.agent_args, as held-out eval runs them")
 
 
 def _setup(args: Any, suffix: str) -> tuple[Any, Any, Any, int, Path]:
@@ -77,6 +82,7 @@ def token_view(traj: Any, tok: Any, color: bool) -> str:
 
 def rollout(args: Any) -> int:
     from molt_core.run import cluster
+    from molt_core.rollout.eval import EVAL_TASKS, GREEDY, eval_agent
     from molt_core.rollout.generator import Generator
 
     if args.n < 1:
@@ -85,9 +91,14 @@ def rollout(args: Any) -> int:
     cfg, plugins, tok, vocab, run_dir = _setup(args, "rollout")
     cfg = copy.deepcopy(cfg)
     cfg.rollout.group_size = 1
-    agent = plugins.get("agent", cfg.agent.name)(cfg, tok, plugins, **cfg.agent.args)
+    if getattr(args, "greedy", False):      # after load: training refuses top_k (config_rules)
+        cfg.sampling = dataclasses.replace(cfg.sampling, **GREEDY)
+    held_out = getattr(args, "eval", False)
+    agent = eval_agent(cfg, plugins, tok) if held_out else \
+        plugins.get("agent", cfg.agent.name)(cfg, tok, plugins, **cfg.agent.args)
     with cluster.start(cfg, plugins, trainer=False) as (_, engines):
-        gen = Generator(agent, engines, cfg, tok, vocab)
+        gen = Generator(agent, engines, cfg, tok, vocab,
+                        (lambda g: EVAL_TASKS + g) if held_out else None, held_out)
         try:
             trajs = [t for g in gen.generate(args.n) for t in g]
         finally:

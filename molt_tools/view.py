@@ -325,6 +325,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=20, help="rollouts printed (--terminal)")
     p.add_argument("--per-step", type=int, default=None,
                    help="rollouts kept per step (0: all; default: all, 64 with --single)")
+    p.add_argument("--eval", action="store_true",
+                   help="the held-out evaluations' rollouts (trajectories/eval/) instead")
     p.add_argument("--tokenizer", default=None,
                    help="default: RUN_DIR/final, else the run's model.path")
 
@@ -333,22 +335,25 @@ def main(args: argparse.Namespace) -> int:
     from molt_core.run.metrics import RunDirError
 
     run_dir = Path(args.run_dir)
-    if not any(f.is_file() for f in _files(run_dir)):
-        raise RunDirError(f"no saved trajectories in {run_dir}: is it a run dir, and was "
-                          "log.trajectories_every > 0?")
+    src = run_dir / "trajectories" / "eval" if args.eval else run_dir
+    if not any(f.is_file() for f in _files(src)):
+        raise RunDirError(f"no saved trajectories in {src}: is it a run dir, and was "
+                          "log.trajectories_every > 0" + (" and eval.every?" if args.eval else "?"))
+    tok = args.tokenizer or str(tokenizer_dir(run_dir))
     keep = lambda r: ((not args.step or r["step"] in args.step)      # noqa: E731
                       and (args.min_reward is None or r["reward"] >= args.min_reward)
                       and (args.max_reward is None or r["reward"] <= args.max_reward))
     if args.terminal:
-        render_terminal([r for r in load_rows(run_dir, args.tokenizer) if keep(r)], args.colour,
+        render_terminal([r for r in load_rows(src, tok) if keep(r)], args.colour,
                         limit=args.limit)
         return 0
-    decode = decoder(args.tokenizer or tokenizer_dir(run_dir))
+    decode = decoder(tok)
     per_step = (64 if args.single else 0) if args.per_step is None else args.per_step
-    steps = ((s, rows[:per_step or None]) for s, rows in iter_steps(run_dir, keep, args.step, 4))
-    title = f"molt view: {run_dir.resolve().name}"
+    steps = ((s, rows[:per_step or None]) for s, rows in iter_steps(src, keep, args.step, 4))
+    title = f"molt view: {run_dir.resolve().name}{' (eval)' if args.eval else ''}"
+    name = "view-eval" if args.eval else "view"
     write = write_single if args.single else write_paged
-    out, index = write(steps, args.out or run_dir / ("view.html" if args.single else "view"),
+    out, index = write(steps, args.out or run_dir / (f"{name}.html" if args.single else name),
                        decode, title, data_file(run_dir))
     print(f"view: {out} ({sum(s['n'] for s in index)} rollouts, {len(index)} steps)")
     return 0

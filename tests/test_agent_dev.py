@@ -9,6 +9,7 @@ import openai
 from molt_tools.commands import main
 from molt_tools.agent_dev import serve
 from molt_tools.commands import parse
+from molt_core.rollout.eval import EVAL_TASKS
 from molt_tools.view import read_trajectories
 
 
@@ -57,3 +58,16 @@ def test_serve_answers_sdks_and_saves_the_trajectory(ray_local, tiny_recipe, tmp
     (row,) = read_trajectories(got["run_dir"])
     assert sum(row["loss_mask"]) == n
     assert row["behavior_logprobs"][-n:] == [e.logprob for e in r.choices[0].logprobs.content]
+
+
+def test_rollout_greedy_on_held_out_tasks(ray_local, tiny_recipe, tmp_path):
+    """`molt rollout --greedy --eval`: eval's greedy pass as a dry run (sampling.top_k=1 is
+    refused for training: the trainer cannot reproduce it); twice, the same tokens."""
+    runs = []
+    for name in ("a", "b"):
+        assert main(["rollout", tiny_recipe, "-n", "2", "--greedy", "--eval", "--quiet",
+                     f"out_dir={tmp_path / name}", "agent.args.env=arithmetic",
+                     "eval.agent_args={env_args: {split: test}}"]) == 0
+        (run_dir,) = (tmp_path / name).iterdir()
+        runs.append(sorted((r["task"], r["token_ids"]) for r in read_trajectories(run_dir)))
+    assert runs[0] == runs[1] and [t for t, _ in runs[0]] == [EVAL_TASKS, EVAL_TASKS + 1]

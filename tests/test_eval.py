@@ -13,8 +13,9 @@ from types import SimpleNamespace
 
 from molt_core.cli import load
 from molt_core.config import ConfigError
-from molt_core.rollout.eval import EVAL_TASKS
+from molt_core.rollout.eval import EVAL_TASKS, info_means
 from molt_core.rollout.generator import Generator
+from molt_core.trajectory import Trajectory
 from molt_core.trainer import train
 from molt_gym import Arithmetic, MathProblems
 from molt_tools.commands import main
@@ -82,6 +83,14 @@ def test_eval_refuses_an_env_without_a_held_out_split(tiny_recipe, tmp_path):
     assert main(["eval", model, tiny_recipe]) == 2
 
 
+def test_info_means_average_numbers_and_bools_of_the_rollouts_holding_them():
+    trajs = [Trajectory(info={"tool_calls": 2, "formatted": True, "answer": "4", "row": 7}),
+             Trajectory(info={"tool_calls": 0, "formatted": False, "columns": {"a": 1}}),
+             Trajectory(info={"formatted": True})]
+    assert info_means(trajs, "eval/greedy/info/") == {
+        "eval/greedy/info/formatted": 2 / 3, "eval/greedy/info/tool_calls": 1.0}
+
+
 ARITHMETIC = ["agent.args.env=arithmetic", "eval.agent_args={env_args: {split: test}}"]
 
 
@@ -98,6 +107,16 @@ def test_eval_rows_in_training_and_standalone(ray_local, tiny_recipe, tmp_path, 
         assert 0 <= h["eval/greedy/pass@1"] <= 1 and "eval/greedy/pass@2" not in h
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows if "eval/time_s" in r] == [0, 2]
+    # the eval rollouts are saved like training's (molt view --eval), their numeric info averaged
+    from molt_tools.view import read_trajectories
+    saved = read_trajectories(tmp_path / "trajectories" / "eval")
+    assert sorted({r["step"] for r in saved}) == [0, 2] and len(saved) == 2 * 3 * (1 + 2)
+    assert {r["task"] for r in saved} == {EVAL_TASKS + g for g in range(3)}
+    greedy = [Trajectory(info=json.loads(r["info"])) for r in saved if r["step"] == 0]
+    greedy = [t for t in greedy if t.info.pop("eval") == "greedy"]
+    assert len(greedy) == 3 and {k: v for k, v in evals[0].items() if "/info/" in k} == \
+        info_means(greedy, "eval/greedy/info/")
+    assert main(["view", str(tmp_path), "--eval", "--terminal", "--limit", "1"]) == 0
     # standalone: the same held-out prompts on the same (untrained) model, greedy is greedy
     model = yaml.safe_load(open(tiny_recipe))["model"]["path"]
     capsys.readouterr()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from molt_core.config import Config, ConfigError
 from molt_core.rollout.generator import Generator
 
-__all__ = ["EVAL_TASKS", "eval_agent", "eval_due", "evaluate"]
+__all__ = ["EVAL_TASKS", "eval_agent", "eval_due", "evaluate", "info_means"]
 
 EVAL_TASKS = 2**48
 GREEDY = {"temperature": 1.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0}
@@ -22,6 +23,17 @@ GREEDY = {"temperature": 1.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0}
 def _merge(base: dict, over: dict) -> dict:
     return base | {k: _merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict)
                    else v for k, v in over.items()}
+
+
+def info_means(trajs: list, prefix: str) -> dict[str, float]:
+    """`prefix + key`: the mean of each number (or bool) in the rollouts' `info` over those that
+    hold it (the agent's tool calls, format, ...); row/line numbers are not scores."""
+    seen: dict[str, list[float]] = {}
+    for t in trajs:
+        for k, v in t.info.items():
+            if isinstance(v, (bool, int, float)) and k not in ("row", "line"):
+                seen.setdefault(k, []).append(float(v))
+    return {f"{prefix}{k}": sum(v) / len(v) for k, v in sorted(seen.items())}
 
 
 def eval_due(cfg: Config, step: int) -> bool:
@@ -55,12 +67,16 @@ def eval_agent(cfg: Config, plugins: Any, tokenizer: Any) -> Any:
 
 
 def evaluate(cfg: Config, plugins: Any, engines: list[Any], tokenizer: Any, vocab_size: int,
-             progress: Callable[[str], None] = lambda line: None) -> dict[str, float]:
-    """The held-out prompts on the engines' weights: `eval/*`; `progress`: "eval: 3/64 rollouts"."""
+             progress: Callable[[str], None] = lambda line: None, run_dir: Path | None = None,
+             step: int = 0) -> dict[str, float]:
+    """The held-out prompts on the engines' weights: `eval/*` with `eval/<pass>/info/<key>`
+    (`info_means`); `progress`: "eval: 3/64 rollouts". With `run_dir` (and trajectories saved:
+    `log.trajectories_every`) the rollouts go to `trajectories/eval/step_NNNNNN.parquet` (`step`:
+    updates so far; info `eval`: the pass), which `molt view RUN_DIR --eval` shows."""
     t0 = time.perf_counter()
     e, agent = cfg.eval, eval_agent(cfg, plugins, tokenizer)
     out: dict[str, float] = {}
-    done, total = [0], e.prompts * (1 + max(e.k, 0))
+    done, total, saved = [0], e.prompts * (1 + max(e.k, 0)), []
 
     def group_done(trajs: list) -> None:
         done[0] += len(trajs)
@@ -82,5 +98,13 @@ def evaluate(cfg: Config, plugins: Any, engines: list[Any], tokenizer: Any, voca
         out[f"eval/{name}/reward_mean"] = rewards.mean().item()
         if k > 1:
             out[f"eval/{name}/pass@{k}"] = solved.amax(1).mean().item()
+        trajs = [t for g in groups for t in g]
+        out.update(info_means(trajs, f"eval/{name}/info/"))
+        saved += [dataclasses.replace(t, info={**t.info, "eval": name}) for t in trajs]
+    if run_dir and cfg.log.trajectories_every and saved:
+        from molt_core.run.trajectory_store import trajectory_rows, write_trajectories
+        (d := run_dir / "trajectories" / "eval").mkdir(parents=True, exist_ok=True)
+        write_trajectories(d / f"step_{step:06d}.parquet", trajectory_rows(
+            step, saved, tokenizer, task_of=lambda g: EVAL_TASKS + g, image_dir=d.parent / "images"))
     out["eval/time_s"] = time.perf_counter() - t0
     return out
