@@ -57,7 +57,8 @@ def test_rows_are_token_for_token_what_the_chat_server_records(tok):
         replies = [sft.token_ids[a:b] for a, b in sft.calls]
 
         async def generate(prompt_ids: list[int], sampling: dict) -> Completion:
-            ids = replies[len(s.trajectory.calls)]       # the policy samples SFT's targets
+            ids = replies[len(s.trajectory.calls)]       # the policy samples SFT's targets,
+            ids = ids[:next((k + 1 for k, t in enumerate(ids) if t in stop), len(ids))]  # to a stop
             return Completion(ids, [-0.1] * len(ids), [0] * len(ids))
 
         async def main():
