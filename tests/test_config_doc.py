@@ -41,3 +41,13 @@ def test_docs_links_to_pages_resolve_in_the_repo():
              for target in re.findall(r"\]\(([\w./-]+\.md)(?:#[\w-]*)?\)", page.read_text())}
     assert ("index.md", "configuration.md") in links
     assert [(page, t) for page, t in links if not (docs / t).is_file()] == []
+
+
+def test_readme_opens_with_its_title_then_make_run_and_names_python_and_a_gpu_run():
+    root = Path(__file__).parents[1]
+    text = (root / "README.md").read_text()
+    first_block = text.split("```\n", 2)[1]
+    assert text.startswith("# Molt\n") and first_block.split()[:2] == ["make", "run"]
+    python = re.search(r'requires-python = ">=([\d.]+)"', (root / "pyproject.toml").read_text())
+    assert f"Python {python[1]} or newer" in text
+    assert "molt run recipes/gpu/smoke-qwen3.yaml" in text
