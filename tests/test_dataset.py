@@ -180,3 +180,19 @@ def test_bad_reward_functions_name_themselves_and_the_row(data, tiny_chars_dir):
 async def _nan_step(env: Dataset) -> float:
     await env.reset(0)
     return (await env.step("b"))[1]
+
+
+def test_bad_rows_name_the_file_and_line(data):
+    """A broken JSONL line and a prompt that is neither text nor chat messages are one error
+    naming the file and line (issue 41.11: a JSONDecodeError without them; a wrong-type prompt
+    passed validate and ended the run in a 50-line traceback)."""
+    Path("broken.jsonl").write_text('{"prompt": "a"}\n\n{"prompt": "b", \n')
+    with pytest.raises(ValueError, match=r"^broken.jsonl:3: not valid JSON \(Expecting"):
+        Dataset(data="broken.jsonl", reward="my_rewards:exact", test_fraction=0.0)
+    Path("listed.jsonl").write_text('["prompt", "a"]\n')
+    with pytest.raises(ValueError, match=r"^listed.jsonl:1: a JSON list, not an object"):
+        Dataset(data="listed.jsonl", reward="my_rewards:exact", test_fraction=0.0)
+    Path("typed.jsonl").write_text('{"prompt": "a"}\n{"prompt": 5}\n')
+    with pytest.raises(ValueError, match=r"^typed.jsonl: row 2's 'prompt' is int 5; it must be "
+                                         "text or a list of chat messages"):
+        Dataset(data="typed.jsonl", reward="my_rewards:exact", test_fraction=0.0)

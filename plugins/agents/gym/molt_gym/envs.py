@@ -36,7 +36,20 @@ def _rows(path: str) -> tuple[tuple[int, dict], ...]:
         read = parquet.read_table if path.endswith(".parquet") else csv.read_csv
         return tuple(enumerate(read(path).to_pylist(), 1))
     with open(path) as f:
-        return tuple((n, json.loads(line)) for n, line in enumerate(f, 1) if line.strip())
+        return tuple((n, _json_row(line, f"{path}:{n}")) for n, line in enumerate(f, 1)
+                     if line.strip())
+
+
+def _json_row(line: str, where: str) -> dict:
+    try:
+        row = json.loads(line.rstrip())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg}, column {e.colno}); fix that line "
+                         "(one JSON object per line)") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a JSON {type(row).__name__}, not an object; write one "
+                         "{column: value} object per line")
+    return row
 
 
 @functools.lru_cache(maxsize=8)
@@ -49,6 +62,11 @@ def _split(path: str, split: str, test_fraction: float, need: tuple[str, ...] = 
     if not rows or bad:
         raise ValueError(f"{path}: expected rows with {', '.join(map(repr, need))} "
                          f"({'no rows' if not rows else f'row {bad[0]} lacks them'})")
+    for n, r in rows:        # text, or chat messages ({"role", "content"} objects)
+        if not (isinstance(p := r[need[0]], str) or isinstance(p, list) and p and all(
+                isinstance(m, dict) and "role" in m for m in p)):
+            raise ValueError(f"{path}: row {n}'s {need[0]!r} is {type(p).__name__} {p!r:.40}; "
+                             "it must be text or a list of chat messages ({role, content})")
     def side(row: dict) -> str:
         held = zlib.crc32(str(row[need[0]]).encode()) % 10_000 < test_fraction * 10_000
         return row.get("split", "test" if held else "train")
