@@ -213,3 +213,13 @@ def test_tally_moe_routing_agreement_and_aux_loss():
 def test_nanmax_keeps_a_nan_wherever_it_comes():
     assert math.isnan(nanmax(float("nan"), 1.0)) and math.isnan(nanmax(1.0, float("nan")))
     assert nanmax(1.0, 2.0) == 2.0
+
+
+def test_a_loss_returning_a_scalar_is_refused():
+    """A reduced loss was aggregated as if per-token (issue 41.11): refused, naming the loss."""
+    def mean_loss(logprobs, old_logprobs, advantages, mask):
+        return -(advantages * logprobs)[mask].mean(), {}
+    mb = micro_batch()
+    with pytest.raises(ValueError, match=r"loss mean_loss returned shape \[\]; a molt_losses "
+                                         r"loss returns per-token values \[3, 6\]"):
+        objective(TrainStep(mean_loss), mb, forward(mb), *counts(mb))

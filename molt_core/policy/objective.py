@@ -75,6 +75,10 @@ def objective(spec: TrainStep, mb: dict[str, torch.Tensor], fwd: Forward, num_to
     kw.update({k: ref_logprobs for k in kw if k == "ref_logprobs"})
     prox = mb["prox_logprobs"] if "prox_logprobs" in mb else lp.detach()
     per_token, metrics = spec.loss_fn(lp, prox, mb["advantages"], mask, **kw)
+    if getattr(per_token, "shape", None) != lp.shape:   # a scalar would aggregate silently
+        raise ValueError(f"loss {getattr(spec.loss_fn, '__name__', spec.loss_fn)} returned shape "
+                         f"{list(getattr(per_token, 'shape', ()))}; a molt_losses loss returns "
+                         f"per-token values {list(lp.shape)} (the trainer aggregates them)")
     if spec.correction != "none":
         weight, is_metrics = is_correction(prox, behavior, mask, spec.correction,
                                            rollout_index=mb.get("rollout_index"),
