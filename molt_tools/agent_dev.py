@@ -21,6 +21,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
+from molt_tools import demos
+
 __all__ = ["rollout", "rollout_args", "serve", "serve_args", "token_view"]
 
 
@@ -35,6 +37,7 @@ def rollout_args(p: Any) -> None:
     recipe_args(p)
     p.add_argument("-n", type=int, default=4, help="rollouts to run (default 4)")
     p.add_argument("--quiet", action="store_true", help="rewards only, no token view")
+    demos.add_args(p)
     p.add_argument("--greedy", action="store_true",
                    help="greedy sampling, as held-out eval's greedy pass (not for training)")
     p.add_argument("--eval", action="store_true",
@@ -88,9 +91,21 @@ def rollout(args: Any) -> int:
     if args.n < 1:
         print("error: -n must be >= 1", file=sys.stderr)
         return 2
+    try:
+        more, extra = demos.configure(args)
+        keep = demos.keep_filter(args.keep)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    args.overrides = [*args.overrides, *more]
     cfg, plugins, tok, vocab, run_dir = _setup(args, "rollout")
     cfg = copy.deepcopy(cfg)
     cfg.rollout.group_size = 1
+    try:
+        cfg.agent.args = demos.chat_args(cfg.agent.args, extra)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if getattr(args, "greedy", False):      # after load: training refuses top_k (config_rules)
         cfg.sampling = dataclasses.replace(cfg.sampling, **GREEDY)
     held_out = getattr(args, "eval", False)
@@ -114,6 +129,12 @@ def rollout(args: Any) -> int:
     rewards = [t.reward for t in trajs]
     print(f"mean reward {sum(rewards) / max(1, len(rewards)):.3f} over {len(trajs)} rollouts "
           f"({args.n - len(trajs)} dropped); saved {path}")
+    print(demos.summary(trajs))
+    kept = [t for t in trajs if keep(t)]
+    if args.keep:
+        print(f"kept {len(kept)} of {len(trajs)} ({args.keep})")
+    if args.sft_out:
+        print(f"wrote {demos.write_rows(args.sft_out, kept, tok)} SFT rows to {args.sft_out}")
     return 0
 
 

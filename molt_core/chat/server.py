@@ -61,6 +61,7 @@ class _Last:
     truncated: bool
     key: str = ""
     malformed: bool = False
+    calls: int = 0
 
 
 @dataclass
@@ -75,9 +76,15 @@ class ChatSession:
     sampling: dict
     max_context: int
     max_body_bytes: int = MAX_BODY_BYTES
+    # a policy other than the engine (a teacher, a script): (messages, tools) -> the assistant
+    # message (OpenAI form), recorded as the tokens the template renders for it
+    respond: Callable[[list[dict], list[dict] | None], Awaitable[dict]] | None = None
     trajectory: Trajectory = field(default_factory=Trajectory)
     requests: int = 0               # requests answered, cached retries included
     generations: int = 0            # engine calls made
+    tool_calls: int = 0             # tool calls in the replies
+    # per segment: its last request's messages and tools, the reply appended (SFT rows)
+    conversations: list[dict] = field(default_factory=list)
     _covered: str = ""              # the text the current segment's tokens spell
     _seg_start: int = 0
     _messages: list[dict] | None = None   # previous request's messages (normalized)
@@ -153,6 +160,7 @@ class ChatSession:
         t.info["resampled"] = t.info.get("resampled", 0) + 1
         if last.malformed:
             t.info["malformed_tool_calls"] -= 1
+        self.tool_calls -= last.calls
         self._covered = last.covered
         self._cache.pop(last.key, None)
 
@@ -170,8 +178,28 @@ class ChatSession:
         return Completion(c.token_ids[:k], c.logprobs[:k], c.versions[:k], "stop", routed,
                           c.prompt_routed_experts), s
 
+    async def scripted(self, prep: _Prep) -> GenerateFn:
+        """`respond`'s reply to `prep` as a completion: the tokens the template renders for it,
+        through its end-of-turn token (log-prob 0, version 0: nothing trains on them)."""
+        assert self.respond is not None
+        msg = await self.respond(prep.messages, prep.tools)
+        base = self.render(prep.messages, prep.tools)
+        full = self.tokenizer.apply_chat_template([*prep.messages, msg], tools=prep.tools or None,
+                                                  tokenize=False)
+        if not full.startswith(base):
+            raise RequestError(500, "the chat template renders the policy's reply over a "
+                                    "different prompt: it cannot be recorded")
+        text, eos = full[len(base):], self.tokenizer.eos_token
+        ids = self.tokenizer.encode(text[:text.find(eos) + len(eos)] if eos in text else text,
+                                    add_special_tokens=False)
+        ids += [] if ids[-1:] == [self.tokenizer.eos_token_id] else [self.tokenizer.eos_token_id]
+
+        async def generate(*_: Any) -> Completion:
+            return Completion(ids, [0.0] * len(ids), [0] * len(ids), "stop")
+        return generate
+
     async def turn(self, prep: _Prep, max_tokens: int | None, stop: list[str] = (),
-                   key: str = "") -> Reply:
+                   key: str = "", generate: GenerateFn | None = None) -> Reply:
         """Extend the trajectory (or start a segment, or replace the last reply); generate."""
         traj = self.trajectory
         if prep.mode == "resample":
@@ -195,8 +223,9 @@ class ChatSession:
         sampling = {**self.sampling,
                     "max_new_tokens": max(1, min(self.sampling["max_new_tokens"], cap, room))}
         images = [im.shifted(-seg_start) for im in traj.images if im.start >= seg_start]
-        completion = await (self.generate(prompt, sampling, images) if images
-                            else self.generate(prompt, sampling))
+        generate = generate or self.generate
+        completion = await (generate(prompt, sampling, images) if images
+                            else generate(prompt, sampling))
         self.generations += 1
         if completion.finish_reason == "abort":
             raise RequestError(503, "the engine aborted the generation")
@@ -354,12 +383,13 @@ class ChatServer:
         self._sock.close()
 
     def open_session(self, tokenizer: Any, generate: GenerateFn, sampling: dict, *,
-                     max_context: int, max_body_bytes: int = MAX_BODY_BYTES) -> ChatSession:
+                     max_context: int, max_body_bytes: int = MAX_BODY_BYTES,
+                     respond: Callable | None = None) -> ChatSession:
         require_chat_template(tokenizer)
         sid = secrets.token_hex(8)
         s = ChatSession(sid, "molt-" + secrets.token_urlsafe(24), f"{self.url}/s/{sid}/v1",
                         f"{self.url}/s/{sid}", tokenizer, generate, dict(sampling), max_context,
-                        max_body_bytes)
+                        max_body_bytes, respond)
         self.sessions[sid] = s
         return s
 
@@ -367,7 +397,8 @@ class ChatServer:
         """Forget the session (later requests get 404) and return its trajectory."""
         self.sessions.pop(session.id, None)
         traj = session.trajectory
-        traj.info.update(chat_requests=session.requests, chat_generations=session.generations)
+        traj.info.update(chat_requests=session.requests, chat_generations=session.generations,
+                         chat_tool_calls=session.tool_calls)
         if any(session._roles):         # the links between segments (docs/agents.md, Compaction)
             traj.info["segment_roles"] = session._roles
         return traj
@@ -411,14 +442,25 @@ class ChatServer:
                 if e.code == "context_length_exceeded":
                     s.overflowed()
                 raise
-            reply = await s.turn(prep, _max_tokens(body, api), stop, key)
+            reply = await s.turn(prep, _max_tokens(body, api), stop, key,
+                                 s.respond and await s.scripted(prep))
             content, calls, malformed = (parse_tool_calls(reply.text) if tools
                                          else (reply.text, [], False))
-            if malformed and s._last is not None:
+            assert s._last is not None
+            if malformed:
                 s._last.malformed = True
                 info = s.trajectory.info
                 info["malformed_tool_calls"] = info.get("malformed_tool_calls", 0) + 1
+            s._last.calls = len(calls)
+            s.tool_calls += len(calls)
             s._cache[key] = resp = self._response(api, s, body, reply, content, calls, malformed)
+            msg: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:       # the ids `_response` gave them, the last ones in `_raw_args`
+                msg["tool_calls"] = [{"id": i, "type": "function", "function": {
+                    "name": n, "arguments": raw}} for i, (n, raw, _) in
+                    zip(list(s._raw_args)[-len(calls):], calls)]
+            conv = {"messages": [*messages, msg], "tools": tools}
+            s.conversations[len(s.conversations) - (prep.mode != "segment"):] = [conv]
             return resp, stream
 
     @staticmethod

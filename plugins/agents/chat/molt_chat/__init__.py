@@ -39,15 +39,28 @@ class ChatAgent:
         """Talk to the policy at `ctx.base_url`; return the reward (or one reward per turn)."""
         raise NotImplementedError
 
+    async def policy(self, messages: list[dict], tools: list[dict] | None) -> dict:
+        """A scripted policy, an oracle (`agent.args.policy: scripted`, `molt rollout --policy
+        scripted`): the next assistant message (OpenAI form) for the conversation so far."""
+        raise NotImplementedError(f"chat agent '{type(self).__name__}' has no scripted policy: "
+                                  "implement ChatAgent.policy")
+
 
 class ChatRunner:
     """The `chat` agent: `agent.args = {agent: NAME, agent_args: {...}, max_segments: N,
-    max_request_mb: M}` (N: the segments a rollout may have, M: the MiB of a request body;
-    docs/plugins.md, "molt_chat_agents")."""
+    max_request_mb: M, policy: P, transcripts: T}` (N: the segments a rollout may have, M: the
+    MiB of a request body; P: who answers, `model` (the engine), `scripted` (the agent's
+    `policy`) or a teacher's OpenAI base URL (`teacher_model`, key `$MOLT_TEACHER_API_KEY`);
+    T: keep each segment's messages in `info["conversations"]`; docs/plugins.md)."""
 
     def __init__(self, cfg: Any, tokenizer: Any, plugins: Any, *, agent: str,
                  agent_args: dict | None = None, max_segments: int | None = None,
-                 max_request_mb: float = 8.0) -> None:
+                 max_request_mb: float = 8.0, policy: str = "model",
+                 teacher_model: str = "teacher", transcripts: bool = False) -> None:
+        if policy not in ("model", "scripted") and not policy.startswith(("http://", "https://")):
+            raise ValueError(f"agent.args.policy '{policy}': use model, scripted or a teacher's "
+                             "OpenAI-compatible base URL")
+        self.policy, self.teacher_model, self.transcripts = policy, teacher_model, transcripts
         self.agent_cls = plugins.get("chat_agent", agent)   # registered by `molt_chat_agents`
         self.agent_args = agent_args or {}
         sig = inspect.signature(self.agent_cls).parameters        # eval: as molt_gym's rule
@@ -65,9 +78,11 @@ class ChatRunner:
         from molt_core.chat.server import shared_server     # FastAPI: imported when used
         agent = self.agent_cls(**self.agent_args)
         server = await shared_server()
+        respond = None if self.policy == "model" else \
+            agent.policy if self.policy == "scripted" else self._teacher
         session = server.open_session(self.tok, ctx.generate, ctx.sampling,
                                       max_context=self.max_context,
-                                      max_body_bytes=self.max_body_bytes)
+                                      max_body_bytes=self.max_body_bytes, respond=respond)
         chat = ChatContext(ctx.task, ctx.group_id, ctx.rollout_id, session.base_url,
                            session.anthropic_base_url, session.api_key)
         try:
@@ -87,7 +102,24 @@ class ChatRunner:
         else:
             traj.reward = as_reward(result)
         traj.info.update(chat.info)
+        if self.transcripts:
+            traj.info["conversations"] = session.conversations
         return traj
+
+    async def _teacher(self, messages: list[dict], tools: list[dict] | None) -> dict:
+        """The teacher's reply (nothing trains on it: the run's sampling is not imposed)."""
+        import json
+        import os
+
+        import openai
+        sent = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": a if
+                 isinstance(a := c["function"]["arguments"], str) else json.dumps(a)}}
+                 for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
+        async with openai.AsyncOpenAI(base_url=self.policy, max_retries=2, api_key=os.environ.get(
+                "MOLT_TEACHER_API_KEY", "none")) as client:
+            r = await client.chat.completions.create(model=self.teacher_model, messages=sent,
+                                                     **({"tools": tools} if tools else {}))
+        return r.choices[0].message.model_dump(exclude_none=True)
 
     async def aclose(self) -> None:
         """The generator's close: the shared server of its loop stops (if one was started)."""

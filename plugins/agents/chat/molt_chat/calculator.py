@@ -88,6 +88,15 @@ class Calculator(ChatAgent):
         ctx.info["answer"] = text
         return rewards[:-1] + [float(_first_int(text) == answer)]
 
+    async def policy(self, messages: list[dict], tools: list[dict] | None) -> dict:
+        """The oracle: call the calculator on the question, then answer with its result."""
+        if messages[-1]["role"] == "tool":
+            return {"role": "assistant", "content": messages[-1]["content"]}
+        expr = re.sub(r"^What is (.*)\?$", r"\1", messages[-1]["content"])
+        return {"role": "assistant", "content": "", "tool_calls": [{
+            "id": "call_0", "type": "function", "function": {
+                "name": "calculator", "arguments": json.dumps({"expression": expr})}}]}
+
     def _result(self, arguments: Any) -> str:
         value = evaluate(_expression(arguments) or "")
         return "error" if value is None else str(value)
