@@ -133,7 +133,7 @@ class RolloutScheme(Protocol):
 
 
 class RolloutGenerator(Protocol):
-    """What a rollout scheme gets as `generator` (`rollout.generator.Generator`): fresh groups,
+    """What a rollout scheme gets as `generator` (`rollout.pool.PooledGenerator`): fresh groups,
     or those of its pools; every call blocks."""
 
     counters: dict[str, float]      # the run's counters, logged each step

@@ -20,7 +20,8 @@ from molt_core.consistency import check_consistency, probe_consistency
 from molt_core.plugins import Plugins
 from molt_core.policy.objective import TrainStep
 from molt_core.rollout.eval import eval_agent, eval_due, evaluate
-from molt_core.rollout.generator import Generator, version_lag_metrics
+from molt_core.rollout.generator import version_lag_metrics
+from molt_core.rollout.pool import PooledGenerator
 from molt_core.rollout.restarts import EngineRestarts
 from molt_core.run import cluster
 from molt_core.run.checkpoint import Checkpointer
@@ -38,7 +39,7 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None, progress: 
     tokenizer, vocab_size, agent = prepared or prepare(cfg, plugins)
     torch.manual_seed(cfg.seed)
     with cluster.start(cfg, plugins) as (policy, engines):
-        generator = Generator(agent, engines, cfg, tokenizer, vocab_size)
+        generator = PooledGenerator(agent, engines, cfg, tokenizer, vocab_size)
         weights = EngineRestarts(cfg, plugins, generator, policy)   # replaces engines that die
         scheme = plugins.get("rollout_scheme", cfg.rollout.scheme)(cfg, generator, weights,
                                                                    engines)

@@ -112,6 +112,17 @@ def test_rollout_schemes(plugins):
             assert list(inspect.signature(scheme.refill).parameters) == ["n"], name
 
 
+def test_the_run_generator():
+    """The schemes' generator is `PooledGenerator`; the core `Generator` (eval, tools) has no pool."""
+    from molt_core.rollout.generator import Generator
+    from molt_core.rollout.pool import PooledGenerator
+
+    assert check(PooledGenerator, contracts.RolloutGenerator) == []
+    assert check(Generator, contracts.RolloutGenerator) == [
+        f"{n}: missing" for n in ("start_pool", "take", "advance", "drain", "hold_requests",
+                                  "release_requests")]
+
+
 class _Only:
     """A stand-in with `proto`'s members alone: it records each call (`returns[name](*args)`
     answers it); any other attribute raises."""

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from molt_core.cli import load
 from molt_core.config import TrainerConfig
 from molt_core.engines.hf import HFEngine
-from molt_core.rollout.generator import Generator
+from molt_core.rollout.pool import PooledGenerator
 from molt_core.rollout.restarts import EngineRestarts
 from molt_core.policy.logprobs import token_logprobs
 from molt_core.policy.handle import Policy
@@ -67,7 +67,7 @@ def test_pool_streams_and_accounts_for_every_group(tiny_model_dir):
                       "sampling.max_new_tokens=4"])[0]
     tok = AutoTokenizer.from_pretrained(path)
     agent = CountingAgent(tok, fail_every=5)
-    gen = Generator(agent, [Inline(HFEngine(path, seed=1))], cfg, tok, len(tok))
+    gen = PooledGenerator(agent, [Inline(HFEngine(path, seed=1))], cfg, tok, len(tok))
     try:
         gen.start_pool(4)
         taken = gen.take(3) + gen.take(3)       # the second take needs groups started after the first
@@ -99,7 +99,7 @@ def test_partial_rollout_switches_versions_inside_a_response(ray_local, tiny_mod
     engine = ray.remote(HFEngine).options(num_cpus=0).remote(path, seed=3)
     policy = Policy(path, TrainerConfig(num_ranks=1, lr=3e-2), seed=0)
     agent = CountingAgent(tok)
-    gen = Generator(agent, [engine], cfg, tok, vocab)
+    gen = PooledGenerator(agent, [engine], cfg, tok, vocab)
     try:
         scheme = PartialScheme(cfg, gen, EngineRestarts(cfg, None, gen, policy), [engine])
         first = scheme.next_batch(0)                        # 4 groups ran in one wave; 2 taken

@@ -15,6 +15,7 @@ from molt_core.cli import load
 from molt_core.config import ConfigError
 from molt_core.engines.hf import HFEngine
 from molt_core.rollout.generator import Generator
+from molt_core.rollout.pool import PooledGenerator
 from molt_core.trainer import train
 from molt_core.trajectory import Trajectory
 from molt_rollout_async import AsyncScheme
@@ -58,7 +59,8 @@ def test_dapo_refills_more_groups_than_the_pool_holds(tiny_model_dir, scheme):
                                "algorithm.correction=tis", "rollout.groups_per_step=2",
                                "rollout.group_size=2", "sampling.max_new_tokens=2"], ["dapo"])
     tok = AutoTokenizer.from_pretrained(path)
-    gen = Generator(Agent(tok, vary_every=4), [Inline(HFEngine(path, seed=1))], cfg, tok, len(tok))
+    gen = PooledGenerator(Agent(tok, vary_every=4), [Inline(HFEngine(path, seed=1))], cfg, tok,
+                          len(tok))
     try:
         if scheme == "sync":
             groups, refill = gen.generate(2), gen.generate
@@ -119,7 +121,7 @@ def test_cancelled_requests_stop_decoding_on_the_engine(ray_local, tiny_model_di
                       "sampling.max_new_tokens=480"])[0]
     tok = AutoTokenizer.from_pretrained(path)
     engine = ray.remote(HFEngine).options(num_cpus=0).remote(path, seed=0)
-    gen = Generator(Agent(tok), [engine], cfg, tok, len(tok))
+    gen = PooledGenerator(Agent(tok), [engine], cfg, tok, len(tok))
     try:
         gen.start_pool(2)                                    # 4 requests of 480 tokens
         while ray.get(engine.stats.remote())["tokens_generated"] < 4:
