@@ -178,7 +178,8 @@ class AgentConfig:
 @dataclass
 class CheckConfig:
     consistency_every: int = 10          # steps between engine-vs-trainer log-prob checks (0: off)
-    consistency_tol: float = 1e-3        # max |engine - trainer| log-prob on on-policy tokens
+    consistency_tol: float = 0.0         # max |engine - trainer| log-prob on on-policy tokens;
+                                         # 0: by model.dtype (fp32 1e-3, bf16/fp16 1.0)
     canary_every: int = 10               # weight syncs between canary checks, from the 1st (0: off)
 
 

@@ -29,6 +29,7 @@ from transformers import AutoTokenizer
 from molt_core.advantage import training_batch
 from molt_core.chat.server import ChatServer, parse_tool_calls
 from molt_core.config import AlgorithmConfig
+from molt_core.consistency import consistency_tol
 from molt_core.engines.hf import HFEngine
 from molt_core.trajectory import Completion
 from molt_gigpo import gigpo_advantages
@@ -941,7 +942,7 @@ def test_openai_agents_sdk_agent_trains_token_exactly(ray_local, api_model_dir, 
         "sampling.max_new_tokens=48", "check.consistency_every=1", f"out_dir={tmp_path}"])
     history = train(cfg, plugins, tmp_path, progress=False)
     assert len(history) == 3
-    assert all(h["mismatch/max_abs"] <= cfg.check.consistency_tol for h in history)
+    assert all(h["mismatch/max_abs"] <= consistency_tol(cfg) for h in history)
     assert sum(h["reward/mean"] for h in history) > 0, "the imprinted agent calls the tool"
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from molt_core.run import checkpoint
+from molt_core.consistency import consistency_tol
 from molt_core.rollout.restarts import EngineDiedError
 from molt_core.cli import load
 from molt_core.rollout.generator import FailureRateError
@@ -96,7 +97,7 @@ def test_killed_engine_is_replaced_with_current_weights(ray_local, tiny_chars_di
     # counted in the step it happens in: sync, step 3's generation; async, step 2's weight push
     first = 3 if scheme == "sync" else 2
     assert [h["faults/engine_restarts"] for h in history] == [0] * first + [1] * (6 - first)
-    assert all(h["mismatch/max_abs"] <= cfg.check.consistency_tol for h in history)
+    assert all(h["mismatch/max_abs"] <= consistency_tol(cfg) for h in history)
     assert history[-1].get("rollout/failed", 0) == 0      # no rollout lost: requests re-issued
     if scheme == "sync":       # the new engine stamps the trainer's version: all on-policy
         assert all(h["mismatch/on_policy_fraction"] == 1.0 for h in history)

@@ -78,3 +78,16 @@ def test_by_default_the_canary_checks_the_first_sync_and_every_tenth(ray_local, 
     history = run(tmp_path / "late", tiny_chars_dir, 4, "engine.args.where=load",
                   "check.canary_every=10")      # corrupted from version 2: unseen until 11
     assert history[-1]["faults/weight_sync_mismatches"] == 0
+
+
+def test_bf16_runs_with_default_tolerances_and_still_catches_a_corrupted_load(
+        ray_local, tiny_chars_dir, tmp_path):
+    """bf16 numerics (engine vs trainer, the same bytes) pass the canary and the per-step
+    forward check at their default tolerance; one parameter changed after the load does not."""
+    history = run(tmp_path, tiny_chars_dir, 3, "model.dtype=bfloat16", "engine.args.times=0",
+                  "check.consistency_every=1")
+    assert history[-1]["faults/weight_sync_mismatches"] == 0
+    (tmp_path / "bad").mkdir()
+    with pytest.raises(WeightMismatchError, match=r"version 2: engine 0 .* canary text"):
+        run(tmp_path / "bad", tiny_chars_dir, 3, "model.dtype=bfloat16", "engine.args.where=load")
+
