@@ -235,3 +235,18 @@ def test_export_matches_the_trainer(ray_local, tmp_path_factory, arch):
     mask = batch["loss_mask"]
     assert mask.sum() > 0
     assert (lp - trainer_lp)[mask].abs().max() <= 1e-5
+
+
+def test_a_plugin_state_no_checkpoint_can_hold_stops_the_run_after_the_weights(tiny_chars_dir,
+                                                                                 tmp_path):
+    """molt_state_dict returning a lambda: the first checkpoint (here the run's last, save_every
+    0) keeps the weights, then the run stops with one line naming the plugin (issue 41.11; before:
+    a pickling traceback at the end and no checkpoint at all)."""
+    recipe = _recipe(tmp_path, tiny_chars_dir, trainer={"steps": 2, "save_every": 0})
+    out = _molt("run", recipe, f"out_dir={tmp_path / 'r'}", "--plugin", "unpicklable_plugin")
+    assert out.returncode != 0
+    err = [line for line in out.stderr.splitlines() if "Traceback" in line or "error:" in line]
+    assert len(err) == 1 and "plugin unpicklable_plugin's molt_state_dict returned what a " \
+        "checkpoint cannot hold" in err[0], out.stderr[-3000:]
+    (ckpt,) = (_run_dir(tmp_path / "r") / "checkpoints").iterdir()
+    assert ckpt.name == "step_000002" and (ckpt / "driver.pt").is_file() and _state(ckpt)

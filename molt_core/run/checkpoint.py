@@ -206,13 +206,15 @@ class Checkpointer:
             gen = self.generator.state_dict()
             gen["buffer"] = [[{**vars(t), "images": [dict(vars(im)) for im in t.images]}
                               for t in g] for g in gen["buffer"]]   # plain data: weights_only
-            plugin_state = {impl.plugin_name: impl.function()
-                            for impl in self.plugins.hook.molt_state_dict.get_hookimpls()}
+            plugin_state = {impl.plugin_name: v for impl in
+                            self.plugins.hook.molt_state_dict.get_hookimpls()
+                            if (v := impl.function()) is not None}
+            bad = {k: why for k, v in plugin_state.items() if (why := _unloadable(v))}
             engine_rng = [self._engine_rng(e) for e in self.engines]
             buf = io.BytesIO()          # a full disk: an OSError, where torch.save's is not
             torch.save({"step": done, "version": self.version, "critic": critic,
                         "rng": rng_state(), "engine_rng": engine_rng, "generator": gen,
-                        "plugins": {k: v for k, v in plugin_state.items() if v is not None},
+                        "plugins": {k: v for k, v in plugin_state.items() if k not in bad},
                         "metrics_bytes": metrics.stat().st_size if metrics.exists() else 0,
                         "nonfinite_steps": getattr(self.policy, "nonfinite_steps", 0)}, buf)
             (tmp / "driver.pt").write_bytes(buf.getbuffer())
@@ -238,7 +240,24 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
         for stale in root.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
+        for name, why in bad.items():      # after the weights are safe: the run stops here
+            raise CheckpointError(
+                f"plugin {name}'s molt_state_dict returned what a checkpoint cannot hold ({why}); "
+                f"{final} holds the weights and the rest of the run, not that state (molt export "
+                f"{final} OUT). Return plain data from it: tensors, numbers, text, lists, dicts")
         return final
+
+
+def _unloadable(value: Any) -> str | None:
+    """Why `value` would not load back as `restore` loads a checkpoint (weights_only), or None."""
+    try:
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        buf.seek(0)
+        torch.load(buf, weights_only=True)
+    except Exception as e:          # pickling and the weights_only unpickler raise many kinds
+        return f"{type(e).__name__}: {str(e)[:160]}"
+    return None
 
 
 def _policy_tensors(policy_dir: Path) -> dict[str, torch.Tensor]:
