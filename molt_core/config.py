@@ -353,5 +353,17 @@ def load_config(path: str | Path | None, overrides: list[str] = (),
         raise
     cfg.plugins = {name: from_dict(cls, plugin_data.get(name, {}), name)
                    for name, cls in sections.items()}
+    if path is not None:
+        _near_recipe(cfg, Path(path).parent)
     validate(cfg)
     return cfg
+
+
+def _near_recipe(cfg: Config, folder: Path) -> None:
+    """model.path, model.chat_template and the env's `data` file that do not exist from the
+    working directory but do next to the recipe are read there."""
+    def near(p: str) -> str:
+        return str(folder / p) if p and not Path(p).exists() and (folder / p).exists() else p
+    cfg.model.path, cfg.model.chat_template = near(cfg.model.path), near(cfg.model.chat_template)
+    if isinstance(env := cfg.agent.args.get("env_args"), dict) and isinstance(env.get("data"), str):
+        env["data"] = near(env["data"])

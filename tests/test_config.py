@@ -97,3 +97,24 @@ def test_wrong_section_type(recipe):
 def test_validate_ok(recipe, capsys):
     assert main(["validate", recipe()]) == 0
     assert "ok:" in capsys.readouterr().out
+
+
+def test_paths_missing_from_cwd_are_read_next_to_the_recipe(tiny_model_dir, tmp_path,
+                                                             monkeypatch):
+    """model.path, chat_template and the data file relative to the recipe's folder (issue 41.11:
+    they were read from the working directory only)."""
+    (folder := tmp_path / "recipes").mkdir()
+    (folder / "model").symlink_to(tiny_model_dir)
+    (folder / "chat.jinja").write_text("{{ messages }}")
+    (folder / "rows.jsonl").write_text("")
+    data = yaml.safe_load(open(RECIPE))
+    data["model"].update(path="model", chat_template="chat.jinja")
+    data["agent"]["args"]["env_args"] = {"data": "rows.jsonl"}
+    (folder / "r.yaml").write_text(yaml.safe_dump(data))
+    (elsewhere := tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config("../recipes/r.yaml")
+    assert (cfg.model.path, cfg.model.chat_template, cfg.agent.args["env_args"]["data"]) == (
+        "../recipes/model", "../recipes/chat.jinja", "../recipes/rows.jsonl")
+    (elsewhere / "model").symlink_to(tiny_model_dir)      # one that exists from cwd stays
+    assert load_config("../recipes/r.yaml").model.path == "model"
