@@ -21,6 +21,7 @@ import torch
 from molt_core.chat import api as chat_api
 from molt_core.chat.server import ChatSession
 from molt_core.config import Config, ConfigError, to_dict
+from molt_core.data import read_rows
 from molt_core.trajectory import Completion, Trajectory, collate
 
 __all__ = ["main", "nll", "render_row", "sft", "sft_args", "start"]
@@ -87,11 +88,10 @@ def render_row(row: dict, tokenizer: Any, stop_ids: list[int], max_tokens: int) 
 
 
 def _rows(path: str) -> list[tuple[int, dict]]:
-    from molt_gym.envs import _rows as read      # the dataset env's reader: JSONL/Parquet/CSV/dir
     if not path or not Path(path).exists():
         raise ConfigError(f"sft.data '{path}' does not exist: point it at a JSONL, Parquet or "
                           "CSV file or a `datasets` directory of chat rows")
-    return list(read(path))
+    return list(read_rows(path))
 
 
 def load_data(cfg: Config, tokenizer: Any, stop_ids: list[int], max_tokens: int
