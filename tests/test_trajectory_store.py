@@ -343,22 +343,19 @@ def test_the_loop_waiting_on_a_flush_lifts_the_writers_idle_priority(tiny_chars_
     writer.flush()
     assert os.sched_getscheduler(writer.proc.pid) == os.SCHED_IDLE
     writer.write(1, make_trajs(tok, 1))
-    writer.proc.send_signal(signal.SIGSTOP)
-    flushing = threading.Thread(target=writer.flush)
-    flushing.start()
-    try:
-        policy_becomes(os.SCHED_OTHER)
-    finally:
-        writer.proc.send_signal(signal.SIGCONT)
-        flushing.join()
+
+    def raised_while(action) -> None:
+        """The stopped writer runs at normal priority while the driver waits on `action`."""
+        writer.proc.send_signal(signal.SIGSTOP)
+        waiting = threading.Thread(target=action)
+        waiting.start()
+        try:
+            policy_becomes(os.SCHED_OTHER)
+        finally:
+            writer.proc.send_signal(signal.SIGCONT)
+            waiting.join()
+    raised_while(writer.flush)
     assert os.sched_getscheduler(writer.proc.pid) == os.SCHED_IDLE
-    writer.proc.send_signal(signal.SIGSTOP)
-    closing = threading.Thread(target=writer.close)
-    closing.start()
-    try:
-        policy_becomes(os.SCHED_OTHER)
-    finally:
-        writer.proc.send_signal(signal.SIGCONT)
-        closing.join()
+    raised_while(writer.close)
     assert writer.proc.poll() == 0
     assert sorted({r["step"] for r in read_trajectories(tmp_path)}) == [0, 1]
