@@ -129,14 +129,15 @@ class _Cursor:
     """The data order, in the checkpoint where the RL generator's state goes."""
 
     def __init__(self, n: int, seed: int) -> None:
-        self.n, self.seed, self.pos = n, seed, 0
+        self.n, self.seed, self.pos, self._order = n, seed, 0, (-1, [])
 
     def take(self, k: int) -> list[int]:
         out = []
         for p in range(self.pos, self.pos + k):
-            order = list(range(self.n))
-            random.Random(self.seed * 1_000_003 + p // self.n).shuffle(order)   # per epoch
-            out.append(order[p % self.n])
+            if self._order[0] != (epoch := p // self.n):      # one shuffle per epoch
+                self._order = epoch, list(range(self.n))
+                random.Random(self.seed * 1_000_003 + epoch).shuffle(self._order[1])
+            out.append(self._order[1][p % self.n])
         self.pos += k
         return out
 
