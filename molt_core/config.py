@@ -28,6 +28,13 @@ class ModelConfig:
     path: str = ""                       # local HF directory (config.json + weights + tokenizer)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"   # CPU: float32
     chat_template: str = ""              # a .jinja file that replaces the tokenizer's template
+    # a `molt sft` or `molt run` RUN_DIR (or one of its checkpoints) to start from: model.path
+    # becomes its weights (final/, or its latest checkpoint exported to CHECKPOINT/hf),
+    # model.init_from that checkpoint (the lineage, in this run's config.yaml)
+    init_from: str = ""
+    # merge: train on its merged weights (trainer.lora: new adapters over them); carry:
+    # trainer.lora starts from its adapters (same rank, alpha and target_modules)
+    init_lora: Literal["merge", "carry"] = "merge"
 
 
 @dataclass
@@ -355,6 +362,9 @@ def load_config(path: str | Path | None, overrides: list[str] = (),
                    for name, cls in sections.items()}
     if path is not None:
         _near_recipe(cfg, Path(path).parent)
+    if cfg.model.init_from:
+        from molt_core.sft_trainer import init_from
+        init_from(cfg)
     validate(cfg)
     return cfg
 

@@ -7,6 +7,7 @@ had sampled its canonical tokens, so a trained turn is token for token an RL rol
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import sys
@@ -24,7 +25,7 @@ from molt_core.config import Config, ConfigError, to_dict
 from molt_core.data import read_rows
 from molt_core.trajectory import Completion, Trajectory, collate
 
-__all__ = ["main", "nll", "render_row", "sft", "sft_args", "start"]
+__all__ = ["init_from", "main", "nll", "render_row", "sft", "sft_args", "start"]
 
 
 def nll(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -85,6 +86,37 @@ def render_row(row: dict, tokenizer: Any, stop_ids: list[int], max_tokens: int) 
     except chat_api.RequestError as e:
         raise ValueError(f"{e} (sft.max_tokens={max_tokens})") from None
     return session.trajectory
+
+
+def init_from(cfg: Config) -> None:
+    """Resolve `model.init_from` (a run dir or checkpoint) in place: model.path its weights as an
+    HF directory (the run's final/ when that checkpoint is its last step, else one exported into
+    the checkpoint), model.init_from the checkpoint; carry: trainer.lora must be its adapters'."""
+    from molt_core.run.checkpoint import CheckpointError, export, resolve
+    m = cfg.model
+    if not Path(m.init_from).is_dir():
+        raise ConfigError(f"model.init_from '{m.init_from}' does not exist: name the run directory "
+                          "of a molt sft or molt run (its final/ or latest checkpoint is used)")
+    try:
+        ckpt = resolve(m.init_from)
+        meta = json.loads((ckpt / "meta.json").read_text())
+        final = ckpt.parents[1] / "final"
+        hf = final if final.is_dir() and meta["step"] == meta["config"]["trainer"]["steps"] \
+            else ckpt / "hf"
+        if not hf.is_dir():
+            export(ckpt, hf)
+    except CheckpointError as e:
+        raise ConfigError(f"model.init_from: {e}") from None
+    theirs, mine = meta["config"]["trainer"]["lora"], to_dict(cfg.trainer.lora)
+    keys = ("rank", "alpha", "target_modules")
+    if m.init_lora == "carry" and (not theirs["rank"] or any(theirs[k] != mine[k] for k in keys)):
+        has = lambda d: ", ".join(f"{k} {d[k]!r}" for k in keys)  # noqa: E731
+        raise ConfigError(
+            f"model.init_lora=carry: {ckpt} has " + (has(theirs) if theirs["rank"] else
+            "no LoRA adapters (trainer.lora.rank 0)") + f" but this run's trainer.lora has "
+            f"{has(mine)}: set trainer.lora to its adapters', or model.init_lora=merge to train "
+            "on its merged weights")
+    m.path, m.init_from = str(hf), str(ckpt)
 
 
 def _rows(path: str) -> list[tuple[int, dict]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import math
 import re
 import time
@@ -100,12 +101,18 @@ class PolicyWorker:
         mixed precision), routers in fp32."""
         # fp32 masters; with LoRA only the adapters train (`lora.add_adapters` keeps them fp32)
         lora_rank = self.cfg["lora"]["rank"]
-        model = multimodal.load_model(model_path, dtype if lora_rank else torch.float32)
+        carry = Path(model_path, "driver.pt").is_file()     # a checkpoint: model.init_lora carry
+        arch = json.loads(Path(model_path, "meta.json").read_text())["model_path"] if carry \
+            else model_path
+        model = multimodal.load_model(arch, dtype if lora_rank else torch.float32)
         moe.keep_router_fp32(model)     # frozen LoRA bases load in `dtype`, routers stay fp32
         fast_norms(model)
         model = model.to(self.device)
         if lora_rank:
             model = lora.add_adapters(model, self.cfg["lora"])
+        if carry:                       # its weights, base and adapters, in place
+            dcp.load({f"model.policy.{k}": v for k, v in model.state_dict().items()},
+                     checkpoint_id=Path(model_path) / "policy")
         for gate in moe.moe_gates(model):
             gate.requires_grad_(self.cfg["moe_routing"] != "freeze_router")
         # One rank, text models: the layers stay unsharded through the step (`_reshard` before the

@@ -283,7 +283,8 @@ def start(cfg: Config, plugins: Any, trainer: bool = True) -> Iterator[tuple[Any
         rank_threads, engine_threads = num_threads(cfg, int(min(n.get("CPU", 1) for n in nodes)))
         engines = [spawn_engine(cfg, plugins, i, local=local)
                    for i in range(cfg.engine.num_engines)]
-        policy = backend(cfg.model.path, cfg.trainer, dtype=cfg.model.dtype, seed=cfg.seed,
+        carry = cfg.model.init_lora == "carry" and cfg.model.init_from   # base + its adapters
+        policy = backend(carry or cfg.model.path, cfg.trainer, dtype=cfg.model.dtype, seed=cfg.seed,
                          num_threads=rank_threads, actor_options=rank_opts) if trainer else None
         actors.get([e.get_version.remote() for e in engines], timeout=cfg.engine.timeout_s)
         # freeze torch/transformers/Ray objects: a full collection over them stalled rollouts ~0.7 s
