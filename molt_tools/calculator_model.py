@@ -11,7 +11,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from molt_chat.calculator import TOOL
+from molt_examples.calculator import TOOL
 
 __all__ = ["build_model", "imprint_pairs", "short_tools_template"]
 

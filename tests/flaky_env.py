@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 
 from molt_core import hookimpl
-from molt_gym import NextLetter
+from molt_examples import NextLetter
 
 _calls = itertools.count(1)
 

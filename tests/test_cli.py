@@ -126,7 +126,7 @@ DATASET = ["agent.args={env: dataset, env_args: {data: DIR/rows.jsonl, test_frac
     (["agent.args.env=nope"], "unknown env 'nope'; valid: "),
     (["agent.args.env={a: 1}"], "agent.args.env: agent 'gym' (plugin gym) expects str, got"),
     (["agent.args.env_args.letters=5"], "agent.args.env_args.letters: env 'next_letter' (plugin "
-                                        "gym) expects str, got 5 (int)"),
+                                        "examples) expects str, got 5 (int)"),
     (["algorithm.estimator_args.eps=abc"], "algorithm.estimator_args.eps: estimator 'grpo' "
                                            "(plugin grpo) expects a finite float, got 'abc'"),
     (["algorithm.loss_args.clip_low=[1]"], "loss 'ppo_clip' (plugin grpo) expects a finite float"),
@@ -156,7 +156,7 @@ def test_chat_agent_args_are_checked_at_validate(capsys, tiny_model_dir, tmp_pat
     out_dir = tmp_path / "runs"
     argv = ["run", str(ROOT / "recipes/cpu/chat_calculator.yaml"), f"model.path={tiny_model_dir}",
             f"out_dir={out_dir}", "agent.args.agent_args.lo=abc", "--no-progress"]
-    assert ("agent.args.agent_args.lo: chat_agent 'calculator' (plugin chat) expects int, got "
+    assert ("agent.args.agent_args.lo: chat_agent 'calculator' (plugin examples) expects int, got "
             "'abc'") in _one_line_error(capsys, argv, out_dir)
 
 def test_misspelled_hook_names_only_real_hooks_and_the_closest(tmp_path, monkeypatch):

@@ -17,7 +17,8 @@ from molt_core.rollout.eval import EVAL_TASKS, info_means
 from molt_core.rollout.generator import Generator
 from molt_core.trajectory import Trajectory
 from molt_core.trainer import train
-from molt_gym import Arithmetic, MathProblems
+from molt_examples import Arithmetic
+from molt_gym import MathProblems
 from molt_tools.commands import main
 
 

@@ -140,9 +140,3 @@ def molt_configure(cfg: Config, plugins: Any) -> None:
         a = cfg.agent.args
         plugins.check_args("agent.args.agent_args", "chat_agent", a["agent"],
                            a.get("agent_args") or {})
-
-
-@hookimpl
-def molt_chat_agents() -> dict:
-    from molt_chat.calculator import AgentsCalculator, Calculator     # the example agents
-    return {"calculator": Calculator, "agents_calculator": AgentsCalculator}

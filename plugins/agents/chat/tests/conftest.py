@@ -19,7 +19,7 @@ def solver_dir(chat_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     """Imprinted (in-test SFT) to call the calculator correctly and answer, for task 0."""
     from transformers import AutoTokenizer
 
-    from molt_chat.calculator import TOOL, Calculator
+    from molt_examples.calculator import TOOL, Calculator
     from molt_tools.imprint import imprint
 
     tok = AutoTokenizer.from_pretrained(chat_tiny_dir)

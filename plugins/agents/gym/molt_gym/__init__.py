@@ -14,10 +14,8 @@ from molt_core.config import ConfigError
 from molt_core.contracts import RolloutContext
 from molt_core.trajectory import ImageInput, Trajectory, as_reward
 from molt_gym.envs import Dataset, Env, MathProblems, Observation
-from molt_gym.toy_envs import Addition, Arithmetic, Colours, GuessNumber, NextLetter, Spell
 
-__all__ = ["Addition", "Arithmetic", "Colours", "Dataset", "Env", "GymAgent", "GuessNumber",
-           "MathProblems", "NextLetter", "Spell"]
+__all__ = ["Dataset", "Env", "GymAgent", "MathProblems"]
 
 class TemplateMismatch(RuntimeError):
     """The rendered history no longer starts with the tokens already captured."""
@@ -132,6 +130,4 @@ def molt_configure(cfg: Any, plugins: Any) -> None:
 
 @hookimpl
 def molt_envs() -> dict:
-    return {"addition": Addition, "next_letter": NextLetter, "guess_number": GuessNumber,
-            "math": MathProblems, "colours": Colours, "arithmetic": Arithmetic, "spell": Spell,
-            "dataset": Dataset}
+    return {"math": MathProblems, "dataset": Dataset}     # the toy envs: molt_examples

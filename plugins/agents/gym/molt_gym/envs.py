@@ -1,6 +1,6 @@
 """Data environments: `math` (a local file's problems, math-verify) and `dataset` (a local
 dataset's rows, plain Python functions as the reward, TRL's `reward_funcs` too; docs/data.md).
-`Env`: `molt_core.contracts`; the toy environments of the CPU recipes: `molt_gym.toy_envs`."""
+`Env`: `molt_core.contracts`; the toy environments of the CPU recipes: `molt_examples.toy_envs`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Example chat agents of the chat calculator recipe (registered by `molt_chat` as `calculator`
-and `agents_calculator`): answer "What is a + b?", where calling the calculator tool pays.
+"""Example chat agents of the chat calculator recipe (registered by `molt_examples` as
+`calculator` and `agents_calculator`): answer "What is a + b?", where calling the calculator
+tool pays.
 
 Turn 1: the policy answers directly or calls `calculator`; on a call the agent sends the result
 back as a tool message (masked) and the policy answers in turn 2. Reward: 1 if the final answer's

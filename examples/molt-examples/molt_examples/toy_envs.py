@@ -1,5 +1,5 @@
-"""The toy environments the CPU recipes learn (registered by the gym plugin, `molt_gym`, with its
-`Env` contract; rewards: docs/environments.md, "Shipped environments")."""
+"""The toy environments the CPU recipes learn (registered by `molt_examples` for the gym agent,
+with its `Env` contract; rewards: docs/environments.md, "Shipped environments")."""
 
 from __future__ import annotations
 
