@@ -1,7 +1,7 @@
-"""The layers import one way: molt_tools -> plugins -> molt_core. The core imports no plugin and
-no tool, a plugin no tool, even through a function-level import (one inside `if TYPE_CHECKING:`
-is for the type checker only; a launcher, `__main__.py` or an `if __name__ == "__main__":` block,
-stands above every layer)."""
+"""The layers import one way: molt_tools -> examples (molt_examples) -> plugins -> molt_core. The
+core imports no plugin, example or tool, a plugin no example or tool, an example no tool, even
+through a function-level import (one inside `if TYPE_CHECKING:` is for the type checker only; a
+launcher, `__main__.py` or an `if __name__ == "__main__":` block, stands above every layer)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN_PACKAGES = {p.parent.name for p in ROOT.glob("plugins/*/*/*/__init__.py")}
+EXAMPLE_PACKAGES = {p.parent.name for p in ROOT.glob("examples/*/*/__init__.py")}
 # `molt_core.evaluate`, the Python form of `molt eval`, is loaded by name from its command's module
 UPWARD_BY_NAME = {"molt_core -> molt_tools.evaluate"}
 
@@ -45,12 +46,15 @@ def module(path: Path) -> str:
 
 def test_core_imports_no_plugin_and_no_tool() -> None:
     bad = {f"{module(p)} -> {m}" for p in sources("molt_core/**/*.py") for m in imports(p)
-           if m.split(".")[0] in PLUGIN_PACKAGES | {"molt_tools"}} - UPWARD_BY_NAME
+           if m.split(".")[0] in PLUGIN_PACKAGES | EXAMPLE_PACKAGES | {"molt_tools"}}
+    bad -= UPWARD_BY_NAME
     assert not bad, f"the core reaches up a layer: {sorted(bad)}"
 
 
-def test_plugins_import_no_tool() -> None:
+def test_plugins_import_no_example_and_no_tool() -> None:
+    assert "molt_examples" in EXAMPLE_PACKAGES
     bad = {f"{p.relative_to(ROOT)} -> {'.'.join(m.split('.')[:2])}"
-           for p in sources("plugins/*/*/*/**/*.py") for m in imports(p)
-           if m.split(".")[0] == "molt_tools"}
-    assert not bad, f"a plugin imports a tool: {sorted(bad)}"
+           for pattern, above in (("plugins/*/*/*/**/*.py", EXAMPLE_PACKAGES | {"molt_tools"}),
+                                  ("examples/*/*/**/*.py", {"molt_tools"}))
+           for p in sources(pattern) for m in imports(p) if m.split(".")[0] in above}
+    assert not bad, f"a plugin imports an example or a tool, or an example a tool: {sorted(bad)}"
