@@ -67,11 +67,14 @@ class EngineConfig:
 
 @dataclass
 class LoraConfig:
-    """PEFT LoRA adapters: only they train (and hold AdamW state); engines get merged weights."""
+    """PEFT LoRA adapters: only they train (and hold AdamW state)."""
     rank: int = 0                        # 0: off (full fine-tuning)
     alpha: float = 16.0
     dropout: float = 0.0                 # must be 0: a dropout forward would bias the PPO ratio
     target_modules: str | list = "all-linear"   # PEFT names; all-linear: every Linear but lm_head
+    # what a weight sync pushes: merged (every base weight, adapted ones as W + s B A) | adapter
+    # (A, B and s = alpha / rank only; engine hf applies them unmerged, vllm cannot yet)
+    sync: Literal["merged", "adapter"] = "merged"
 
 
 @dataclass

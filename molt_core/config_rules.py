@@ -85,6 +85,9 @@ def validate(cfg: Config) -> None:
         (t.lora.dropout == 0, f"trainer.lora.dropout={t.lora.dropout}: Molt trains without adapter "
          "dropout (the ratio's log-probs must be those of the merged weights the engines sample, "
          "so a dropout forward would bias it); set trainer.lora.dropout=0"),
+        (not (t.lora.rank and t.lora.sync == "adapter" and cfg.engine.name == "vllm"),
+         "engine vllm cannot take LoRA adapters from the trainer yet (hf serves them unmerged): "
+         "set trainer.lora.sync: merged"),
         (not (t.lora.rank and t.backend != "fsdp2"),
          f"trainer.lora needs trainer.backend=fsdp2 (got {t.backend})"),
         (cfg.eval.every >= 0 and cfg.eval.prompts >= 1 and cfg.eval.k >= 0,
