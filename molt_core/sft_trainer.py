@@ -60,20 +60,13 @@ def render_row(row: dict, tokenizer: Any, stop_ids: list[int], max_tokens: int) 
         if results < calls:
             raise ValueError(f"messages[{i}] makes {calls} tool calls but {results} tool results "
                              "follow it")
-    render = lambda m, gen: tokenizer.apply_chat_template(  # noqa: E731
-        m, tools=tools, tokenize=False, add_generation_prompt=gen)
-    targets = []
-    for i in turns:
-        prompt, full = render(messages[:i], True), render(messages[:i + 1], False)
-        if not full.startswith(prompt):
-            raise ValueError(f"the chat template renders messages[{i}] (assistant) not as a "
-                             "continuation of its generation prompt")
-        ids = tokenizer.encode(full[len(prompt):], add_special_tokens=False)
-        stop = next((k + 1 for k, t in enumerate(ids) if t in stop_ids), len(ids))
-        targets.append(ids[:stop])      # as sampled: up to the engine's stop token
 
     async def generate(prompt_ids: list[int], sampling: dict) -> Completion:
-        ids = targets[len(session.trajectory.calls)]
+        i = turns[len(session.trajectory.calls)]        # as sampled: up to the stop token
+        try:
+            ids = session.reply_ids(messages[:i], tools, messages[i], stop_ids)
+        except chat_api.RequestError as e:
+            raise ValueError(f"messages[{i}] (assistant): {e}") from None
         return Completion(ids, [0.0] * len(ids), [0] * len(ids))
     session = ChatSession("sft", "", "", "", tokenizer, generate, {"max_new_tokens": 1 << 30},
                           max_tokens)

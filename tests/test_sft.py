@@ -49,12 +49,19 @@ def tok(tiny_model_dir):
     return load_tokenizer(str(tiny_model_dir), TEMPLATE)
 
 
-def test_rows_are_token_for_token_what_the_chat_server_records(tok):
+@pytest.mark.parametrize("scripted", [False, True])
+def test_rows_are_token_for_token_what_the_chat_server_records(tok, scripted):
+    """The server's policy samples SFT's targets, or (`scripted`: a teacher or oracle, `respond`)
+    answers with the row's assistant messages, which the server renders as SFT does."""
     stop = [tok.convert_tokens_to_ids("<|im_end|>")]
     for n in (3, 12):
         row = transcript(n)
         sft = render_row(row, tok, stop, 2048)
         replies = [sft.token_ids[a:b] for a, b in sft.calls]
+        answers = iter(m for m in row["messages"] if m["role"] == "assistant")
+
+        async def respond(messages: list[dict], tools: list[dict] | None) -> dict:
+            return next(answers)
 
         async def generate(prompt_ids: list[int], sampling: dict) -> Completion:
             ids = replies[len(s.trajectory.calls)]       # the policy samples SFT's targets,
@@ -66,7 +73,7 @@ def test_rows_are_token_for_token_what_the_chat_server_records(tok):
             server = ChatServer()
             await server.start()
             s = server.open_session(tok, generate, {"temperature": 1.0, "max_new_tokens": 200},
-                                    max_context=2048)
+                                    max_context=2048, respond=respond if scripted else None)
             client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.api_key, max_retries=0)
             msgs, want = row["messages"][:2], iter(row["messages"][2:])
             for m in want:                  # an agent loop: the SDK's replies, the tool results

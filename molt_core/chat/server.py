@@ -178,21 +178,26 @@ class ChatSession:
         return Completion(c.token_ids[:k], c.logprobs[:k], c.versions[:k], "stop", routed,
                           c.prompt_routed_experts), s
 
+    def reply_ids(self, messages: list[dict], tools: list[dict] | None, reply: dict,
+                  stop_ids: list[int]) -> list[int]:
+        """The tokens the template renders for assistant message `reply` after `messages`, up to
+        and with the first of `stop_ids` (where an engine sampling them stops)."""
+        base = self.render(messages, tools)
+        full = self.tokenizer.apply_chat_template([*messages, reply], tools=tools or None,
+                                                  tokenize=False)
+        if not full.startswith(base):
+            raise RequestError(500, "the chat template renders the reply not as a continuation "
+                                    "of its generation prompt: it cannot be recorded")
+        ids = self.tokenizer.encode(full[len(base):], add_special_tokens=False)
+        return ids[:next((k + 1 for k, t in enumerate(ids) if t in stop_ids), len(ids))]
+
     async def scripted(self, prep: _Prep) -> GenerateFn:
         """`respond`'s reply to `prep` as a completion: the tokens the template renders for it,
         through its end-of-turn token (log-prob 0, version 0: nothing trains on them)."""
         assert self.respond is not None
-        msg = await self.respond(prep.messages, prep.tools)
-        base = self.render(prep.messages, prep.tools)
-        full = self.tokenizer.apply_chat_template([*prep.messages, msg], tools=prep.tools or None,
-                                                  tokenize=False)
-        if not full.startswith(base):
-            raise RequestError(500, "the chat template renders the policy's reply over a "
-                                    "different prompt: it cannot be recorded")
-        text, eos = full[len(base):], self.tokenizer.eos_token
-        ids = self.tokenizer.encode(text[:text.find(eos) + len(eos)] if eos in text else text,
-                                    add_special_tokens=False)
-        ids += [] if ids[-1:] == [self.tokenizer.eos_token_id] else [self.tokenizer.eos_token_id]
+        msg, eos = await self.respond(prep.messages, prep.tools), self.tokenizer.eos_token_id
+        ids = self.reply_ids(prep.messages, prep.tools, msg, [eos])
+        ids += [] if ids[-1:] == [eos] else [eos]
 
         async def generate(*_: Any) -> Completion:
             return Completion(ids, [0.0] * len(ids), [0] * len(ids), "stop")
