@@ -115,6 +115,13 @@ def molt_metric_sinks() -> dict[str, Callable]:
 
 
 @hookspec
+def molt_cli_commands() -> dict[str, tuple[str, str, str]]:
+    """Register `molt` subcommands (front ends such as `molt serve-tinker`): `{name: (help,
+    add_args, main)}`, the last two "module:function" strings imported only when the command
+    runs: `add_args(parser)`, `main(args) -> exit code`. A name the core has is an error."""
+
+
+@hookspec
 def molt_state_dict() -> dict[str, Any] | None:
     """A stateful plugin's state for checkpoints (e.g. a filter's carried-over groups): plain data
     that `torch.load(weights_only=True)` reads back, or None. Saved per plugin name with every

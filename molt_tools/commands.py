@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Callable
 
-__all__ = ["COMMANDS", "main", "parse"]
+__all__ = ["COMMANDS", "main", "parse", "plugin_commands"]
 
 # name -> (help, add_args(parser), main(args) -> exit code)
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -77,6 +77,19 @@ def _resolve(target: str) -> Callable:
     return getattr(importlib.import_module(module), fn)
 
 
+def plugin_commands() -> dict[str, tuple[str, str, str]]:
+    """COMMANDS and the subcommands plugins add (`molt_cli_commands`), which may not replace one."""
+    from molt_core.plugins import PluginError, build_plugins
+    out = dict(COMMANDS)
+    for impl in build_plugins().hook.molt_cli_commands.get_hookimpls():
+        for name, command in (impl.function() or {}).items():
+            if name in out:
+                raise PluginError(f"plugin '{impl.plugin_name}' registers the molt command "
+                                  f"'{name}', which exists already")
+            out[name] = command
+    return out
+
+
 def _top_parser() -> argparse.ArgumentParser:
     width = max(map(len, COMMANDS)) + 2
     listing = "\n".join(f"  {n:<{width}}{h}" for n, (h, _, _) in COMMANDS.items())
@@ -97,11 +110,12 @@ def parse(argv: list[str]) -> argparse.Namespace | None:
     if ns.version:
         print(_resolve("molt_tools.plugin_info:version")())
         return None
-    if ns.command not in COMMANDS:
-        close = difflib.get_close_matches(ns.command or "", COMMANDS, n=1)
+    commands = COMMANDS if ns.command in COMMANDS or not ns.command else plugin_commands()
+    if ns.command not in commands:
+        close = difflib.get_close_matches(ns.command or "", commands, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         top.error(f"unknown command {ns.command!r}{hint}" if ns.command else "a COMMAND is required")
-    help_, add_args, _ = COMMANDS[ns.command]
+    help_, add_args, _ = commands[ns.command]
     examples = "\n".join(f"  {e}" for e in EXAMPLES.get(ns.command, []))
     sub = argparse.ArgumentParser(prog=f"molt {ns.command}", description=help_,
                                   epilog=f"examples:\n{examples}" if examples else None,
@@ -112,7 +126,7 @@ def parse(argv: list[str]) -> argparse.Namespace | None:
     sub.add_argument("-q", dest="quieter", action="count", default=0,
                      help="less log output (-q: WARNING, -qq: ERROR)")
     args = sub.parse_intermixed_args(argv[split + 1:])
-    args.command, args.argv = ns.command, argv
+    args.command, args.argv, args.molt_main = ns.command, argv, commands[ns.command][2]
     args.log_level = _log_level(args.verbose - args.quieter)
     return args
 
@@ -137,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     from molt_core.plugins import PluginError
     configure_logging(args.log_level)
     try:
-        return _resolve(COMMANDS[args.command][2])(args)
+        return _resolve(args.molt_main)(args)
     except (ConfigError, PluginError, RunDirError) as e:   # may come late (once Ray is up)
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,87 @@
+"""`molt serve-tinker` on loopback with a tiny character-level Qwen3, driven by the real `tinker`
+SDK (pinned in the test extra, unpatched): one server per test session."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from molt_tools.tiny import CHARSET, build_tiny_model
+
+pytest.importorskip("tinker")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_chars(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tinker") / "chars", "qwen3", charset=CHARSET)
+
+
+@pytest.fixture(scope="session")
+def recipe(tiny_chars: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The smallest recipe: the model, the hf engine (agent and env are validated, not used)."""
+    root = tmp_path_factory.mktemp("tinker-recipe")
+    (root / "rows.jsonl").write_text('{"prompt": "a", "answer": "b"}\n')
+    data = {"name": "tinker_test", "seed": 0, "model": {"path": str(tiny_chars)},
+            "engine": {"name": "hf"}, "out_dir": str(root / "runs"),
+            "agent": {"name": "gym", "args": {"env": "dataset", "env_args": {
+                "data": str(root / "rows.jsonl"), "reward": "molt_reward_exact:exact_match"}}}}
+    (root / "recipe.yaml").write_text(yaml.safe_dump(data))
+    return root / "recipe.yaml"
+
+
+SESSION_TIMEOUT_S = 15.0            # > the SDK's 10 s heartbeat; the expiry test outwaits it
+
+
+@pytest.fixture(scope="session")
+def server(recipe: Path) -> Iterator[str]:
+    """The base URL of a running `molt serve-tinker` (TINKER_BASE_URL and a key set for the SDK)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(recipe.parent / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "molt_tools", "serve-tinker", str(recipe),
+                             "--port", str(port), "--session-timeout", str(SESSION_TIMEOUT_S)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/api/v1/healthz", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError(f"molt serve-tinker exited: {(recipe.parent / 'server.log').read_text()[-3000:]}")
+            time.sleep(0.5)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TINKER_BASE_URL", url)
+            mp.setenv("TINKER_API_KEY", "tml-local-test")
+            yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture
+def server_log(recipe: Path) -> Path:
+    return recipe.parent / "server.log"
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
