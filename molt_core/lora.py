@@ -1,6 +1,7 @@
 """LoRA (PEFT) on the policy: adapters injected into the HF model in place, so the trainer's
 forward, FSDP2 sharding and chunked log-probs see the same module tree; only adapter weights
-require grad (and get AdamW state). Engines receive merged weights under the plain HF names."""
+require grad (and get AdamW state). Engines receive merged weights under the plain HF names, or
+with `trainer.lora.sync: adapter` only the adapters (`adapter_sync`), which they apply unmerged."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["add_adapters", "adapter_tensors", "merged", "peft_config"]
+__all__ = ["add_adapters", "adapter_sync", "adapter_tensors", "merged", "peft_config"]
 
 Named = Iterator[tuple[str, torch.Tensor]]
 
@@ -24,7 +25,8 @@ def peft_config(lora: dict, base: str = "") -> Any:
 def add_adapters(model: torch.nn.Module, lora: dict) -> torch.nn.Module:
     """`trainer.lora` adapters injected into `model`; every other weight is frozen. The model is
     left in eval mode, the adapters' dropout off in every forward (the ratio's log-probs must be
-    the merged weights' the engines sample): `lora.dropout` only reaches the exported config."""
+    the merged weights' the engines sample): `lora.dropout` only reaches the exported config.
+    `sync: adapter` keeps PEFT's forward, x W^T + s (x A^T) B^T, as the engines compute it."""
     from peft import inject_adapter_in_model
     model = inject_adapter_in_model(peft_config(lora | {"target_modules": _targets(
         model, lora["target_modules"])}), model).eval()
@@ -34,7 +36,8 @@ def add_adapters(model: torch.nn.Module, lora: dict) -> torch.nn.Module:
     from peft.tuners.lora.layer import Linear
     for m in model.modules():
         if type(m) is Linear:
-            m.forward = partial(_merged_forward, m)
+            if lora.get("sync") != "adapter":
+                m.forward = partial(_merged_forward, m)
             for p in (*m.lora_A.parameters(), *m.lora_B.parameters()):
                 p.data = p.data.float()     # fp32 masters (PEFT made them in the base's dtype)
     return model
@@ -125,6 +128,15 @@ def merged(named: Named, scaling: float) -> Named:
             yield name.replace(".base_layer.", "."), t
     if parts:
         raise RuntimeError(f"LoRA merge: incomplete adapted layers {sorted(parts)[:3]}")
+
+
+def adapter_sync(named: Named, scaling: float) -> Named:
+    """`sync: adapter`'s stream of an adapted model's LoRA parameters `named`: `X.lora_A.weight`
+    [r, in] and `X.lora_B.weight` [out, r] per adapted Linear `X`, then `lora_scaling` (alpha /
+    rank): the names `HFEngine` takes."""
+    for name, t in named:
+        yield name.replace(".default.", "."), t
+    yield "lora_scaling", torch.tensor(float(scaling))
 
 
 def adapter_tensors(named: Named) -> dict[str, torch.Tensor]:

@@ -358,10 +358,15 @@ class PolicyWorker:
 
     def push_weights(self, engines: list, version: int, bucket_bytes: int, timeout_s: float,
                      transport: str = "ray") -> dict[str, Any]:
-        """Gather every parameter (all ranks); rank 0 sends dtype-preserving buckets to engines
+        """Gather every parameter (all ranks; LoRA `sync: adapter`: the adapters only, as
+        `lora.adapter_sync`); rank 0 sends dtype-preserving buckets to engines
         (`weight_sync.send`), over Ray or, with `transport="broadcast"`/`"shm"`, a process group
         / shared-memory channel built on the first push to these engines."""
-        named = self._named_full_tensors()
+        cfg = self.cfg["lora"]
+        named = (lora.adapter_sync(((n, gathered(p).detach()) for n, p in
+                                    self.model.named_parameters() if ".lora_" in n),
+                                   cfg["alpha"] / cfg["rank"])       # fp32 masters
+                 if cfg["rank"] and cfg["sync"] == "adapter" else self._named_full_tensors())
         try:
             if self.rank != 0:
                 return {}
