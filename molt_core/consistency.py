@@ -51,8 +51,9 @@ def check_consistency(cfg: Config, step: int, metrics: dict[str, Any],
                       probe: Callable[[], float] | None = None) -> None:
     """Invariant 3: on on-policy tokens the trainer must reproduce the engine's log-probs. With
     none in the batch (async/partial: no token came from the weights just trained), `probe()`
-    measures it on fresh on-policy tokens of the weights just pushed."""
-    if not (every := cfg.check.consistency_every) or step % every:
+    measures it on fresh on-policy tokens of the weights just pushed. At step 1 of 1..N (0 too),
+    then every `check.consistency_every`."""
+    if not (every := cfg.check.consistency_every) or step and (step - 1) % every:
         return
     if probe is not None and not metrics.get("mismatch/on_policy_fraction"):
         metrics["mismatch/max_abs"] = probe()

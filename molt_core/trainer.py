@@ -34,8 +34,8 @@ __all__ = ["prepare", "train"]
 
 def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None, progress: bool = True,
           resume: Path | None = None, prepared: tuple | None = None) -> list[dict[str, Any]]:
-    """`cfg.trainer.steps` steps (from checkpoint `resume` on): per-step and eval rows (`_Log`);
-    `prepared`: what `prepare` returned (else it runs here)."""
+    """`cfg.trainer.steps` steps (from checkpoint `resume` on), step k the k-th update (rows,
+    files, hooks: `step` k); `prepared`: what `prepare` returned (else it runs here)."""
     tokenizer, vocab_size, agent = prepared or prepare(cfg, plugins)
     torch.manual_seed(cfg.seed)
     with cluster.start(cfg, plugins) as (policy, engines):
@@ -50,14 +50,14 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None, progress: 
         sink = MetricsSink(run_dir, cfg.trainer.steps, progress,
                            [plugins.get("metric_sink", s)(run_dir, cfg) for s in cfg.log.sinks])
         saved = TrajectoryWriter(run_dir, tokenizer, cfg.log.trajectories_every,
-                                 cfg.log.trajectories_per_step, generator.task_of, start)
+                                 cfg.log.trajectories_per_step, generator.task_of, start + 1)
         ckpt.flush = saved.flush
         log = _Log(cfg, plugins, sink, partial(evaluate, cfg, plugins, engines, tokenizer,
                                                 vocab_size, run_dir=run_dir))
         dead = _DeadRun(cfg.trainer.dead_run_steps)
         try:
-            for step in range(start, cfg.trainer.steps):
-                log.held_out(step)
+            for step in range(start + 1, cfg.trainer.steps + 1):
+                log.held_out(step - 1)          # the weights of step - 1 updates (0: initial)
                 t0, times = time.perf_counter(), {}
                 with _timed(times, "time/generate_s"):
                     groups = scheme.next_batch(step)
@@ -73,7 +73,7 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None, progress: 
                     trajs, plugins.get("estimator", cfg.algorithm.estimator), cfg.algorithm,
                     policy, cfg.sampling.temperature, tokenizer.pad_token_id or 0)
                 with _timed(times, "time/train_s"):
-                    metrics = policy.train(batch, train_step(cfg, plugins, step, version))
+                    metrics = policy.train(batch, train_step(cfg, plugins, step - 1, version))
                 metrics.update(rollout_metrics(trajs, adv, version), **adv_metrics)
                 with _timed(times, "time/weight_sync_s"):     # the push, then its canary
                     version = scheme.sync_weights(step)
@@ -85,7 +85,7 @@ def train(cfg: Config, plugins: Plugins, run_dir: Path | None = None, progress: 
                 log(step, {**metrics, **generator.counters, "version": version, **times,
                            "time/engine_busy_s": generator.client.busy_s(),
                            "time/step_s": time.perf_counter() - t0})
-                if ckpt.step_end(step, version):     # SIGINT/SIGTERM: saved; stop
+                if ckpt.step_end(step - 1, version):     # SIGINT/SIGTERM: saved; stop
                     return log.history
             log.held_out(cfg.trainer.steps)
         finally:
@@ -111,7 +111,8 @@ def prepare(cfg: Config, plugins: Plugins) -> tuple[Any, int, Any]:
 
 
 def train_step(cfg: Config, plugins: Plugins, step: int, version: int) -> TrainStep:
-    """What `policy.train` does with one batch: the loss and its arguments, the terms."""
+    """What `policy.train` does with one batch: the loss and its arguments (`step`: updates
+    before this one, as the lr schedule counts), the terms."""
     alg = cfg.algorithm
     loss_fn = plugins.get("loss", alg.loss)
     return TrainStep(loss_fn, {**alg.loss_args, **opt_in(loss_fn, step=step)}, alg.loss_agg,
@@ -128,7 +129,7 @@ def _timed(times: dict[str, float], key: str) -> Iterator[None]:
 
 class _Log:
     """Where rows go: `molt_on_step_end`, the metric sinks, the returned `history`; with
-    `eval.every`, held-out evaluation rows ({"step": updates so far, "eval/...": ...})."""
+    `eval.every`, held-out evaluation rows ({"step": updates so far, "eval/...": ...}): 0..N."""
 
     def __init__(self, cfg: Config, plugins: Plugins, sink: MetricsSink,
                  evaluate: Callable[..., dict[str, float]]) -> None:
@@ -165,7 +166,7 @@ class _DeadRun:
             self.n = 0
             mean = sum(t.reward for t in trajs) / max(len(trajs), 1)
             structlog.get_logger("molt").warning(
-                f"no learning signal for {self.run} steps in a row (to step {step + 1}; "
+                f"no learning signal for {self.run} steps in a row (to step {step}; "
                 "trainer.dead_run_steps): every group's rollouts got one reward (mean "
                 f"{mean:.3f}) or had no trainable token, so group-relative advantages are 0 and "
                 "the reward teaches nothing (such steps are skipped: train/no_signal_steps). "

@@ -96,7 +96,7 @@ def test_resume_after_kill_is_bit_identical_sync(ray_local, tiny_chars_dir, tmp_
                                    else a[k] == b[k])]
     assert differ == []
     assert _rows(run) == _rows(straight)
-    assert [r["step"] for r in _rows(run)] == list(range(8))
+    assert [r["step"] for r in _rows(run)] == list(range(1, 9))
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.trainer.lr)
     cosine = get_cosine_schedule_with_warmup(opt, 3, 8)
     lrs = []
@@ -130,14 +130,14 @@ def test_resume_async_trains_every_task_once(tiny_chars_dir, tmp_path):
     for line in tasks.read_text().splitlines():     # a redone step's record replaces the old one
         rec = json.loads(line)
         by_step[rec["step"]] = rec["groups"]
-    assert sorted(by_step) == list(range(8))
-    trained = [g for s in range(8) for g in by_step[s]]
+    assert sorted(by_step) == list(range(1, 9))
+    trained = [g for s in range(1, 9) for g in by_step[s]]
     assert len(trained) == len(set(trained)) == 8 * 4
     end = torch.load(run / "checkpoints/step_000008/driver.pt", weights_only=True)["generator"]
     pool = {t["group_id"] for g in end["buffer"] for t in g} | set(end["reissue"])
     assert not pool & set(trained)
     assert set(range(max(trained) + 1)) <= set(trained) | pool
-    assert [r["step"] for r in _rows(run)] == list(range(8))
+    assert [r["step"] for r in _rows(run)] == list(range(1, 9))
 
 
 def test_resume_rejects_a_changed_config(tiny_chars_dir, tmp_path):

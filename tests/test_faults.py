@@ -163,14 +163,14 @@ def test_full_disk_is_a_clear_error_and_keeps_the_last_checkpoint(tiny_chars_dir
     out = tmp_path / "runs"
     proc, ray_tmp = _popen("run", recipe, "trainer.steps=6", "trainer.save_every=1",
                            "--plugin", "kill_plugin", "--no-progress",
-                           env={"MOLT_TEST_DISK_FULL_AT_STEP": "2",
+                           env={"MOLT_TEST_DISK_FULL_AT_STEP": "3",
                                 "MOLT_TEST_OUT_DIR": str(out)})
     _, err = proc.communicate(timeout=900)
     assert proc.returncode == 2, err[-3000:]
-    assert err.count("error: ") == 1 and "cannot append step 2 to" in err
+    assert err.count("error: ") == 1 and "cannot append step 3 to" in err
     (run,) = out.iterdir()
     text = (run / "metrics.jsonl").read_text()
-    assert text.endswith("\n") and [json.loads(x)["step"] for x in text.splitlines()] == [0, 1]
+    assert text.endswith("\n") and [json.loads(x)["step"] for x in text.splitlines()] == [1, 2]
     assert checkpoint.latest(run).name == "step_000002"
     assert (checkpoint.export(run, tmp_path / "export") / "model.safetensors").is_file()
     assert _left_behind(ray_tmp) == []
@@ -191,7 +191,7 @@ def test_unwritable_checkpoint_dir_is_a_clear_error(tiny_chars_dir, tmp_path):
 def test_killed_job_resumes_with_each_steps_trajectories_once_and_leaves_nothing(tiny_chars_dir,
                                                                                  tmp_path):
     """kill -9 of the driver and its trajectory writer after step 4 (as a scheduler cancelling
-    the job would; the checkpoint is at 3), then --resume: each of steps 0-7 saved exactly once
+    the job would; the checkpoint is at 3), then --resume: each of steps 1-8 saved exactly once
     (those before the checkpoint were on disk when it was taken), and no Ray process or session
     folder is left by either run."""
     from collections import Counter
@@ -210,7 +210,7 @@ def test_killed_job_resumes_with_each_steps_trajectories_once_and_leaves_nothing
     _, err = again.communicate(timeout=900)
     assert again.returncode == 0, err[-3000:]
     steps = Counter(r["step"] for r in read_trajectories(run))
-    assert sorted(steps.items()) == [(s, 16) for s in range(8)]
+    assert sorted(steps.items()) == [(s, 16) for s in range(1, 9)]
     for tmp in (ray_tmp, ray_tmp2):
         assert _left_behind(tmp) == []
         assert os.listdir(tmp) == []       # Ray's session folder, its `session_latest` link
@@ -226,14 +226,14 @@ def small_disk(tmp_path):
 
 def test_disk_full_in_a_checkpoint_is_one_clear_error_and_keeps_the_earlier(tiny_chars_dir,
                                                                             tmp_path, small_disk):
-    """The run dir on a 16 MB tmpfs, filled after step 2 to 200 kB free: DCP's write of
+    """The run dir on a 16 MB tmpfs, filled at step 3's end to 200 kB free: DCP's write of
     checkpoint 3 fails (a CheckpointException holding the ENOSPC, as a RuntimeError); one error
     says what, where, how much space is left and what was kept; the temporary dir is gone and
     checkpoints 1-2 are whole."""
     recipe = _recipe(tmp_path, tiny_chars_dir)
     proc, ray_tmp = _popen("run", recipe, "trainer.steps=6", "trainer.save_every=1",
                            f"out_dir={small_disk / 'runs'}", "--plugin", "kill_plugin",
-                           "--no-progress", env={"MOLT_TEST_FILL_DISK_AT": "2:200000",
+                           "--no-progress", env={"MOLT_TEST_FILL_DISK_AT": "3:200000",
                                                  "MOLT_TEST_OUT_DIR": str(small_disk)})
     _, err = proc.communicate(timeout=900)
     assert proc.returncode == 2, err[-3000:]

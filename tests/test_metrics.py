@@ -34,18 +34,18 @@ def test_rows_carry_time_and_fan_out_to_sinks(tmp_path, monkeypatch):
     configure_logging(fmt="json")
     mem = Memory()
     sink = MetricsSink(tmp_path, 2, show=False, sinks=[mem])
-    for step in range(2):
-        sink.log(step, {"reward/mean": torch.tensor(0.5 * step), "time/step_s": 0.1, "note": "x",
+    for step in (1, 2):          # updates done: shown as 1/2, 2/2
+        sink.log(step, {"reward/mean": torch.tensor(0.5 * (step - 1)), "time/step_s": 0.1, "note": "x",
                         "loss": 2.0})
     sink.close()
     configure_logging()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1] and rows[1]["reward/mean"] == 0.5
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["reward/mean"] == 0.5
     assert rows[0]["time"] <= rows[1]["time"]
     assert 0 <= rows[0]["time/elapsed_s"] <= rows[1]["time/elapsed_s"]
     # namespaced names; the old flat ones kept beside them for one release, not for the sinks
     assert rows[1]["train/loss"] == rows[1]["loss"] and rows[1]["elapsed_s"] > 0
-    assert mem.closed and [s for s, _ in mem.rows] == [0, 1]
+    assert mem.closed and [s for s, _ in mem.rows] == [1, 2]
     assert mem.rows[1][1] == {"reward/mean": 0.5, "time/step_s": 0.1, "train/loss": 2.0,
                               "time/elapsed_s": rows[1]["time/elapsed_s"]}
     lines = [json.loads(line) for line in err.getvalue().splitlines()]     # JSON lines

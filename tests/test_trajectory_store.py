@@ -82,11 +82,11 @@ def run(recipe: str, model_dir: Path, tmp_path: Path, *overrides: str,
 
 def assert_same(steps, run_dir, tok, every: int = 1, per_step: int = 0):
     rows = read_trajectories(run_dir)
-    saved = [s for s in range(len(steps)) if s % every == 0]
+    saved = [s for s in range(1, len(steps) + 1) if (s - 1) % every == 0]    # step k: k-th update
     assert sorted({r["step"] for r in rows}) == saved
     for s in saved:
         got = [r for r in rows if r["step"] == s]
-        want = steps[s][:per_step or None]
+        want = steps[s - 1][:per_step or None]
         assert len(got) == len(want)
         for r, t in zip(got, want):
             assert (r["group_id"], r["rollout_id"], r["reward"]) == (t.group_id, t.rollout_id,

@@ -72,8 +72,9 @@ def make_run_dir(out_dir: str, name: str, config: dict, plugins: dict, seed: int
 
 
 class MetricsSink:
-    """Appends one JSON line per step (with wall-clock `time` and `elapsed_s`), fans it out to the
-    metric sinks (`log.sinks`) and drives a progress bar (bar off: one log line per step)."""
+    """Appends one JSON line per step (`step`: updates done; with wall-clock `time` and
+    `elapsed_s`), fans it out to the metric sinks (`log.sinks`) and drives a progress bar (bar
+    off: one log line per step)."""
 
     def __init__(self, run_dir: Path | None, total_steps: int, show: bool = True,
                  sinks: list[Any] = ()) -> None:
@@ -114,17 +115,17 @@ class MetricsSink:
         what = "reward" if "reward/mean" in row else "loss"     # molt sft: no reward
         reward, step_s = row.get(f"{what}/mean", row.get("train/loss")), row.get("time/step_s", 0)
         if self.show:
-            self.progress.update(self.task, completed=step + 1,
+            self.progress.update(self.task, completed=step,
                                  info=f"{what} {reward:.3f}  step {step_s:.2f}s")
         else:
-            structlog.get_logger("molt").info("step", step=f"{step + 1}/{self.total}",
+            structlog.get_logger("molt").info("step", step=f"{step}/{self.total}",
                                               **{what: round(reward, 4)}, step_s=round(step_s, 3))
 
     def completions(self, step: int, trajs: list, tokenizer: Any, log: Any) -> None:
         """Sinks with `log_completions(step, rows)`: a saved step's rollouts as TRL's completions
         table (prompt, completion, reward, reference: the `dataset` row's columns as JSON)."""
         sinks = [s for s in self.sinks if hasattr(s, "log_completions")]
-        if not (sinks and trajs and log.trajectories_every) or step % log.trajectories_every:
+        if not (sinks and trajs and log.trajectories_every) or (step - 1) % log.trajectories_every:
             return
         text = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)      # noqa: E731
         ref = lambda info: json.dumps(info["columns"], default=str) if "columns" in info else ""

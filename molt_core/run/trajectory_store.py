@@ -110,7 +110,7 @@ class TrajectoryWriter:
     def write(self, step: int, trajs: list[Trajectory], policy: Any = None) -> None:
         """Queue the step's trajectories with the trainer's log-probs of their rows (one row per
         segment, as `advantage.training_batch` builds them)."""
-        if not self.dir or step % self.every:
+        if not self.dir or (step - 1) % self.every:      # steps 1, 1 + every, ...
             return
         if self.why or self.proc.poll() is not None:
             self._failed()
