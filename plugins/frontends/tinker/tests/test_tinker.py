@@ -35,3 +35,114 @@ def test_health_capabilities_and_a_session(server: str):
         assert info.is_lora and info.lora_rank == 4 and info.model_data.model_name == model.model_name
         tok = tc.get_tokenizer()            # offline: the tokenizer id is the local model dir
         assert tok.decode(tok.encode("abc")) == "abc"
+
+
+def _base() -> str:
+    return tinker.RestClient().get_server_capabilities().result().supported_models[0].model_name
+
+
+def _datum(tokens: list[int], **per_target: list[float]) -> types.Datum:
+    """Tinker's standard datum: input tokens[:-1], targets tokens[1:], inputs per target."""
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], **per_target})
+
+
+CHATS = [("what is 2+2?", "4"), ("say hi", "hi!"), ("spell cat", "c-a-t"), ("count to 3", "1 2 3")]
+
+
+def test_supervised_loop_on_chat_data_lowers_the_loss(server: str):
+    """The cookbook's SL loop: chat rows rendered by the chat template, weights on the reply,
+    forward_backward(cross_entropy) + optim_step; the mean NLL per reply token falls."""
+    with tinker.ServiceClient() as service:
+        tc = service.create_lora_training_client(base_model=_base(), rank=8, seed=1).result()
+        tok = tc.get_tokenizer()
+        data = []
+        for q, a in CHATS:
+            prompt = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                             add_generation_prompt=True)
+            p, c = tok.encode(prompt), tok.encode(a + "<|im_end|>")
+            data.append(_datum(p + c, weights=[0.0] * (len(p) - 1) + [1.0] * len(c)))
+        nll = []
+        for _ in range(10):
+            fb = tc.forward_backward(data, "cross_entropy")
+            step = tc.optim_step(types.AdamParams(learning_rate=5e-3))
+            out = fb.result()
+            step.result()
+            lp = np.concatenate([o["logprobs"].to_numpy() for o in out.loss_fn_outputs])
+            w = np.concatenate([d.loss_fn_inputs["weights"].to_numpy() for d in data])
+            nll.append(float(-(lp * w).sum() / w.sum()))
+            assert out.metrics["loss:sum"] == pytest.approx(float(-(lp * w).sum()), rel=1e-4)
+    assert nll[-1] < 0.85 * nll[0] and sum(b < a for a, b in zip(nll, nll[1:])) >= 8, nll
+
+
+def _molt_batch(rows: list[tuple[list[int], list[float], list[float] | None]], mask_zero: bool
+                ) -> dict:
+    """Molt's own [B, T] batch of the same rows (tokens, per-target weight, sampler log-probs):
+    position t holds the log-prob of token t, so target i is at t = i + 1."""
+    import torch
+    B, T = len(rows), max(len(r[0]) for r in rows)
+    b = {"input_ids": torch.zeros(B, T, dtype=torch.long),
+         "attention_mask": torch.zeros(B, T, dtype=torch.bool),
+         "loss_mask": torch.zeros(B, T, dtype=torch.bool), "advantages": torch.zeros(B, T),
+         "behavior_logprobs": torch.zeros(B, T), "versions": torch.zeros(B, T, dtype=torch.long)}
+    for i, (ids, w, q) in enumerate(rows):
+        n = len(ids)
+        b["input_ids"][i, :n], b["attention_mask"][i, :n] = torch.tensor(ids), True
+        b["advantages"][i, 1:n] = torch.tensor(w)
+        b["loss_mask"][i, 1:n] = torch.tensor(w) != 0 if mask_zero else True
+        if q is not None:
+            b["behavior_logprobs"][i, 1:n] = torch.tensor(q)
+    return b
+
+
+def test_forward_backward_equals_molt_losses_loss_and_gradients(server: str, tiny_chars):
+    """cross_entropy == Molt's SFT nll and importance_sampling == Molt's RL objective (ppo_clip
+    against pi_prox with the behavior policy's token IS correction, tis uncapped) on the same
+    rows and LoRA init: the same loss, gradient norm and weights after each Adam step (Molt's
+    seq-mean-token-sum over the 2 rows is Tinker's sum / 2)."""
+    import math
+
+    from molt_core.config import LoraConfig, TrainerConfig
+    from molt_core.policy.handle import Policy
+    from molt_core.policy.objective import TrainStep
+    from molt_core.sft_trainer import nll
+    from molt_grpo import ppo_clip_loss
+
+    seqs = [[5, 9, 14, 22, 7, 3, 30], [11, 4, 8, 40, 2]]
+    g = np.random.default_rng(0)
+    weights = [[0.0, 0.0] + [1.0] * (len(s) - 3) for s in seqs]
+    adv = [g.choice([-1.0, 1.0], len(s) - 1).tolist() for s in seqs]
+    adam = types.AdamParams(learning_rate=1e-2)
+    with tinker.ServiceClient() as service:
+        tc = service.create_lora_training_client(base_model=_base(), rank=4, seed=7).result()
+        ce = tc.forward_backward([_datum(s, weights=w) for s, w in zip(seqs, weights)],
+                                 "cross_entropy").result()
+        ce_step = tc.optim_step(adam).result()
+        q = [(o["logprobs"].to_numpy() - 0.3 * g.random(len(s) - 1)).tolist()
+             for o, s in zip(ce.loss_fn_outputs, seqs)]
+        is_ = tc.forward_backward([_datum(s, logprobs=lq, advantages=a)
+                                   for s, lq, a in zip(seqs, q, adv)],
+                                  "importance_sampling").result()
+        is_step = tc.optim_step(adam).result()
+        after = tc.forward([_datum(s, weights=w) for s, w in zip(seqs, weights)],
+                           "cross_entropy").result()
+
+    policy = Policy(str(tiny_chars), TrainerConfig(
+        lr=adam.learning_rate, betas=[adam.beta1, adam.beta2], eps=adam.eps, grad_clip=math.inf,
+        timeout_s=60.0, lora=LoraConfig(rank=4)), seed=7)
+    try:
+        m_ce = policy.train(_molt_batch([(s, w, None) for s, w in zip(seqs, weights)], True),
+                            TrainStep(nll, loss_agg="seq-mean-token-sum"))
+        m_is = policy.train(_molt_batch(list(zip(seqs, adv, q)), False), TrainStep(
+            ppo_clip_loss, loss_agg="seq-mean-token-sum", correction="tis",
+            correction_args={"cap": math.inf}))
+        lp_after = policy.logprobs(_molt_batch([(s, w, None) for s, w in zip(seqs, weights)],
+                                               False))
+    finally:
+        policy.shutdown()
+    assert ce.metrics["loss:sum"] == pytest.approx(2 * m_ce["loss"], rel=1e-4)
+    assert ce_step.metrics["grad_norm"] == pytest.approx(2 * m_ce["grad_norm"], rel=1e-4)
+    assert is_.metrics["loss:sum"] == pytest.approx(2 * m_is["loss"], rel=1e-4)
+    assert is_step.metrics["grad_norm"] == pytest.approx(2 * m_is["grad_norm"], rel=1e-4)
+    for o, s, row in zip(after.loss_fn_outputs, seqs, lp_after):
+        np.testing.assert_allclose(o["logprobs"].to_numpy(), row[1:len(s)].numpy(), atol=1e-4)
