@@ -9,7 +9,7 @@ RECIPE ?= recipes/cpu/next_letter.yaml
 
 SMOLLM2 := .cache/smollm2-135m-instruct
 
-.PHONY: install install-test run test bench clean venv-vllm test-vllm pretrained bench-smollm2 bench-smollm2-agent venv-trl bench-trl bench-trl-system bench-trl-smollm2 dist
+.PHONY: install install-test run test bench clean venv-vllm test-vllm pretrained bench-smollm2 bench-smollm2-agent venv-trl bench-trl bench-trl-system bench-trl-smollm2 bench-sft-trl dist
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -131,6 +131,11 @@ bench-trl-system: install venv-trl
 
 bench-trl-smollm2: pretrained venv-trl
 	$(BIN)/python bench/vs_trl.py --workload smollm2
+
+# molt sft against TRL's SFTTrainer (issue 42): the same tokens, initial adapters and optimizer;
+# loss curves, step times and peak RSS side by side.
+bench-sft-trl: pretrained venv-trl
+	$(BIN)/python bench/sft_vs_trl.py
 
 clean:
 	rm -rf $(VENV) $(VVENV) $(TVENV) .cache runs dist
