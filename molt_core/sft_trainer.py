@@ -109,6 +109,9 @@ def init_from(cfg: Config) -> None:
             "no LoRA adapters (trainer.lora.rank 0)") + f" but this run's trainer.lora has "
             f"{has(mine)}: set trainer.lora to its adapters', or model.init_lora=merge to train "
             "on its merged weights")
+    if m.init_lora == "carry" and cfg.trainer.lora.sync == "adapter":
+        raise ConfigError("model.init_lora=carry serves the engines merged weights (final/): "
+                          "adapters pushed over them would count twice; trainer.lora.sync=merged")
     m.path, m.init_from = str(hf), str(ckpt)
 
 

@@ -97,6 +97,8 @@ def test_a_run_without_final_starts_from_its_latest_checkpoint(recipe, sft_run, 
     ("sft", ["model.init_lora=carry", "trainer.lora.rank=8"],
      "carry: .* has rank 4, alpha 8.0, target_modules 'all-linear' but this run's trainer.lora "
      "has rank 8.*or model.init_lora=merge"),
+    ("sft", ["model.init_lora=carry", *LORA, "trainer.lora.sync=adapter"],
+     "would count twice; trainer.lora.sync=merged"),
 ])
 def test_a_bad_init_from_is_one_clear_error(recipe, sft_run, tmp_path, where, overrides, why):
     (tmp_path / "empty").mkdir()
