@@ -233,6 +233,8 @@ class SftConfig:
     eval_fraction: float = 0.1           # held-out rows for eval/loss (by a hash of the row)
     eval_every: int = 0                  # steps between eval/loss rows (0: first and last only)
     max_tokens: int = 0                  # a longer row is an error; 0: the model's context
+    skip_bad_rows: bool = False          # bad rows skipped, counted (sft/skipped_rows), warned
+                                         # once; false: the first is an error naming it
 
 
 @dataclass

@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 
 from molt_core.chat import api as chat_api
@@ -38,7 +39,8 @@ def _messages(row: dict) -> tuple[list, Any]:
     """A row's messages and tools; prompt/completion rows (text or messages) as messages."""
     if "messages" in row:
         return row["messages"], row.get("tools")
-    as_list = lambda x, role: [{"role": role, "content": x}] if isinstance(x, str) else x  # noqa
+    as_list = lambda x, role: [{"role": role, "content": str(x)}] if isinstance(  # noqa: E731
+        x, (str, int, float)) else x            # CSV reads a completion 3 as a number
     msgs = as_list(row["prompt"], "user") + as_list(row["completion"], "assistant")
     return msgs, row.get("tools")
 
@@ -123,20 +125,27 @@ def _rows(path: str) -> list[tuple[int, dict]]:
 
 
 def load_data(cfg: Config, tokenizer: Any, stop_ids: list[int], max_tokens: int
-              ) -> tuple[list[Trajectory], list[Trajectory]]:
-    """(training rows, held-out rows) as trajectories, one per chat segment."""
-    train, held = [], []
+              ) -> tuple[list[Trajectory], list[Trajectory], int]:
+    """(training rows, held-out rows) as trajectories, one per chat segment, and the number of
+    bad rows skipped (`sft.skip_bad_rows`: one warning; else the first is an error naming it)."""
+    train, held, bad = [], [], []
     for line, row in _rows(cfg.sft.data):
         try:
             traj = render_row(row, tokenizer, stop_ids, max_tokens)
         except (ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"{cfg.sft.data} row {line}: {e}") from None
+            bad.append(f"{cfg.sft.data} row {line}: {e}")
+            if cfg.sft.skip_bad_rows:
+                continue
+            raise ConfigError(bad[0] + " (or skip such rows: sft.skip_bad_rows=true)") from None
         key = zlib.crc32(repr(sorted(row.items())).encode()) % 10_000
         (held if key < cfg.sft.eval_fraction * 10_000 else train).extend(traj.split_segments())
+    if bad:
+        structlog.get_logger("molt").warning(f"skipped {len(bad)} bad rows (sft.skip_bad_rows; "
+                                             f"sft/skipped_rows), the first: {bad[0]}")
     if not train:
         raise ConfigError(f"{cfg.sft.data}: no training rows (sft.eval_fraction "
                           f"{cfg.sft.eval_fraction} holds them all out)")
-    return train, held
+    return train, held, len(bad)
 
 
 def _batch(rows: list[Trajectory], pad: int) -> dict[str, torch.Tensor]:
@@ -176,8 +185,10 @@ class _Cursor:
         self.pos = state["pos"]
 
 
-def sft(cfg: Config, plugins: Any, run_dir: Path | None, progress: bool = True) -> list[dict]:
-    """`sft.steps` (or epochs) optimizer steps of the masked NLL; per-step and `eval/loss` rows."""
+def sft(cfg: Config, plugins: Any, run_dir: Path | None, progress: bool = True,
+        resume: Path | None = None) -> list[dict]:
+    """`sft.steps` (or epochs) optimizer steps of the masked NLL (from checkpoint `resume` on);
+    rows as `molt run`'s: step k the k-th update (1..N), `eval/loss` after k updates (0..N)."""
     from transformers import AutoConfig
 
     from molt_core import multimodal
@@ -191,7 +202,8 @@ def sft(cfg: Config, plugins: Any, run_dir: Path | None, progress: bool = True) 
     tok = multimodal.load_tokenizer(cfg.model.path, cfg.model.chat_template)
     model_cfg = AutoConfig.from_pretrained(cfg.model.path)
     max_tokens = cfg.sft.max_tokens or model_cfg.get_text_config().max_position_embeddings
-    train, held = load_data(cfg, tok, default_stop_ids(cfg.model.path, model_cfg), max_tokens)
+    stop_ids = default_stop_ids(cfg.model.path, model_cfg)
+    train, held, skipped = load_data(cfg, tok, stop_ids, max_tokens)
     s, pad = cfg.sft, tok.pad_token_id or 0
     steps = s.steps or math.ceil(len(train) * s.epochs / s.batch_size)
     local = cluster.embedded(cfg, True, torch.cuda.is_available())
@@ -209,14 +221,15 @@ def sft(cfg: Config, plugins: Any, run_dir: Path | None, progress: bool = True) 
         log = _Log(cfg, plugins, sink, lambda **_: {
             "eval/loss": eval_loss(policy, held, pad, cfg.trainer.micro_batch_size)})
         try:
-            for step in range(steps):
+            for step in range(ckpt.restore(resume)[0], steps):
                 log.held_out(step)
                 t0 = time.perf_counter()
                 rows = [train[i] for i in cursor.take(s.batch_size)]
                 m = policy.train(_batch(rows, pad), spec)
                 m = {k: v for k, v in m.items() if not k.startswith("mismatch/")}
-                log(step, m | {"train/tokens": sum(t.num_trainable for t in rows),
-                               "policy/version": step + 1, "time/step_s": time.perf_counter() - t0})
+                log(step + 1, m | {"train/tokens": sum(t.num_trainable for t in rows),
+                                   "sft/skipped_rows": skipped, "policy/version": step + 1,
+                                   "time/step_s": time.perf_counter() - t0})
                 if ckpt.step_end(step, step + 1):
                     return log.history
             log.held_out(steps)
@@ -227,25 +240,29 @@ def sft(cfg: Config, plugins: Any, run_dir: Path | None, progress: bool = True) 
 
 
 def sft_args(p: Any) -> None:
-    from molt_core.cli import recipe_args
-    recipe_args(p, help="a recipe with an sft: section (sft.data: the chat rows)")
-    p.add_argument("--no-progress", action="store_true", help="one log line per step")
+    from molt_core.cli import run_args
+    run_args(p)         # RECIPE (its sft: section), --resume RUN_DIR, --checkpoint, --no-progress
 
 
 def start(recipe: str | None, overrides: list[str], plugin_names: list[str] = (),
-          blocked: list[str] = (), *, progress: bool = True, argv: list[str] = ()
-          ) -> tuple[Path, list[dict]]:
+          blocked: list[str] = (), *, progress: bool = True, resume: str | None = None,
+          checkpoint: str | None = None, argv: list[str] = ()) -> tuple[Path, list[dict]]:
     from molt_core.cli import load
+    from molt_core.run.checkpoint import prepare_resume, resume_recipe
     from molt_core.run.metrics import make_run_dir
+    if resume:
+        recipe, overrides = resume_recipe(resume, recipe, overrides)
     cfg, plugins = load(recipe, overrides, plugin_names, blocked)
-    run_dir = make_run_dir(cfg.out_dir, cfg.name, to_dict(cfg), plugins.info, cfg.seed, list(argv))
+    run_dir, ckpt = prepare_resume(resume, checkpoint, cfg, list(argv)) if resume else (
+        make_run_dir(cfg.out_dir, cfg.name, to_dict(cfg), plugins.info, cfg.seed, list(argv)), None)
     print(f"run dir: {run_dir}", file=sys.stderr)
-    return run_dir, sft(cfg, plugins, run_dir, progress)
+    return run_dir, sft(cfg, plugins, run_dir, progress, ckpt)
 
 
 def main(args: Any) -> int:
     run_dir, history = start(args.recipe, args.overrides, args.plugin, args.blocked,
-                             progress=not args.no_progress, argv=["molt", *args.argv])
+                             progress=not args.no_progress, resume=args.resume,
+                             checkpoint=args.checkpoint, argv=["molt", *args.argv])
     evals = [h["eval/loss"] for h in history if "eval/loss" in h]
     if evals:
         print(f"eval/loss: {evals[0]:.4f} -> {evals[-1]:.4f}")

@@ -9,13 +9,18 @@ import json
 from pathlib import Path
 
 import openai
+import pyarrow as pa
 import pytest
+import structlog
+import torch
+from pyarrow import csv, parquet
+from safetensors.torch import load_file
 
 from molt_core.chat.server import ChatServer
 from molt_core.cli import start as run_start
-from molt_core.config import ConfigError
+from molt_core.config import ConfigError, load_config
 from molt_core.multimodal import load_tokenizer
-from molt_core.sft_trainer import render_row, start
+from molt_core.sft_trainer import load_data, render_row, start
 from molt_core.trajectory import Completion
 
 TEMPLATE = str(Path(__file__).parents[1] / "recipes/templates/smollm2_tools.jinja")
@@ -133,3 +138,66 @@ def test_sft_lowers_the_held_out_loss_and_molt_run_starts_from_it(tiny_recipe, t
     _, rl = run_start(tiny_recipe, [f"model.path={run_dir / 'final'}", "trainer.steps=1",
                                     f"out_dir={tmp_path / 'rl'}"], progress=False)
     assert [h for h in rl if "reward/mean" in h]
+
+
+def test_parquet_and_csv_rows_are_the_jsonl_rows(tiny_recipe, tok, tmp_path):
+    """Tool transcripts as Parquet (pyarrow fills a message's missing keys with None) and
+    prompt/completion rows as CSV (which reads the completion 7 as a number) train on the same
+    tokens as the JSONL rows."""
+    chats = [transcript(n) for n in (2, 5)]
+    pairs = [{"prompt": f"Say {n}.", "completion": n} for n in (7, 8)]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats))
+    (tmp_path / "pairs.jsonl").write_text("".join(
+        json.dumps({**r, "completion": str(r["completion"])}) + "\n" for r in pairs))
+    parquet.write_table(pa.Table.from_pylist(chats), tmp_path / "chats.parquet")
+    csv.write_csv(pa.Table.from_pylist(pairs), tmp_path / "pairs.csv")
+    stop = [tok.convert_tokens_to_ids("<|im_end|>")]
+
+    def rows(name: str) -> list[tuple[list[int], list[bool]]]:
+        cfg = load_config(tiny_recipe, [f"sft.data={tmp_path / name}", "sft.eval_fraction=0"])
+        return [(t.token_ids, t.loss_mask) for t in load_data(cfg, tok, stop, 2048)[0]]
+    assert rows("chats.parquet") == rows("chats.jsonl") and len(rows("chats.jsonl")) == 2
+    assert rows("pairs.csv") == rows("pairs.jsonl") and len(rows("pairs.jsonl")) == 2
+
+
+def test_bad_rows_are_skipped_and_counted_where_the_recipe_says_so(tiny_recipe, tmp_path):
+    data = tmp_path / "rows.jsonl"
+    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    bad = [{"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "no completion"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in [good, *bad, good, good]))
+    with structlog.testing.capture_logs() as logs:
+        _, history = start(tiny_recipe, [f"sft.data={data}", "sft.skip_bad_rows=true",
+                                         f"model.chat_template={TEMPLATE}", "sft.steps=2",
+                                         "sft.eval_fraction=0"], progress=False)
+    warned = [e["event"] for e in logs if e["log_level"] == "warning" and "bad rows" in e["event"]]
+    assert len(warned) == 1 and "skipped 2 bad rows" in warned[0] and "row 2: no assistant" in \
+        warned[0]
+    assert [h["sft/skipped_rows"] for h in history] == [2, 2]
+
+
+def test_resume_is_bit_identical(tiny_recipe, tmp_path):
+    """Stopped after a checkpoint (here: resumed from the middle one), the run redoes the same
+    steps: same rows (the data cursor across an epoch, AdamW, the RNG) and final weights; rows'
+    `step` as molt run's: train 1..N, eval/loss 0..N."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {n}.", "completion": f"{n} {n}"}) + "\n"
+                            for n in range(10)))
+    run_dir, first = start(tiny_recipe, [
+        f"sft.data={data}", f"model.chat_template={TEMPLATE}", "sft.steps=4", "sft.batch_size=3",
+        "sft.eval_fraction=0.2", "sft.eval_every=2", "trainer.save_every=2", "trainer.lr=0.01"],
+        progress=False)
+
+    def done() -> tuple[list[dict], dict]:
+        rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        timeless = [{k: v for k, v in r.items() if not (k.startswith(("time", "elapsed",
+                     "memory")) or k.endswith("_s"))} for r in rows]
+        return timeless, load_file(run_dir / "final/model.safetensors")
+    (rows, weights), ckpt = done(), run_dir / "checkpoints/step_000002"
+    assert [r["step"] for r in rows if "eval/loss" in r] == [0, 2, 4]
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4]
+    _, again = start(None, [], resume=str(run_dir), checkpoint=str(ckpt), progress=False)
+    assert len(again) == 4              # eval/loss after 2 (logged after the checkpoint), 3, 4
+    rows2, weights2 = done()
+    assert rows2 == rows and len(rows) == 7
+    assert weights2.keys() == weights.keys() and all(torch.equal(weights2[k], weights[k])
+                                                     for k in weights)
