@@ -28,12 +28,11 @@ class ModelConfig:
     path: str = ""                       # local HF directory (config.json + weights + tokenizer)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"   # CPU: float32
     chat_template: str = ""              # a .jinja file that replaces the tokenizer's template
-    # a `molt sft` or `molt run` RUN_DIR (or one of its checkpoints) to start from: model.path
-    # becomes its weights (final/, or its latest checkpoint exported to CHECKPOINT/hf),
-    # model.init_from that checkpoint (the lineage, in this run's config.yaml)
+    # a `molt sft`/`molt run` RUN_DIR or checkpoint to start from: model.path := its final/ (or
+    # CHECKPOINT/hf, exported), model.init_from := the checkpoint (the lineage, in config.yaml)
     init_from: str = ""
-    # merge: train on its merged weights (trainer.lora: new adapters over them); carry:
-    # trainer.lora starts from its adapters (same rank, alpha and target_modules)
+    # merge: train its merged weights (trainer.lora: new adapters on them); carry: trainer.lora
+    # starts from its adapters (same rank, alpha, target_modules)
     init_lora: Literal["merge", "carry"] = "merge"
 
 

@@ -102,15 +102,12 @@ def init_from(cfg: Config) -> None:
             export(ckpt, hf)
     except CheckpointError as e:
         raise ConfigError(f"model.init_from: {e}") from None
-    theirs, mine = meta["config"]["trainer"]["lora"], to_dict(cfg.trainer.lora)
-    keys = ("rank", "alpha", "target_modules")
-    if m.init_lora == "carry" and (not theirs["rank"] or any(theirs[k] != mine[k] for k in keys)):
-        has = lambda d: ", ".join(f"{k} {d[k]!r}" for k in keys)  # noqa: E731
-        raise ConfigError(
-            f"model.init_lora=carry: {ckpt} has " + (has(theirs) if theirs["rank"] else
-            "no LoRA adapters (trainer.lora.rank 0)") + f" but this run's trainer.lora has "
-            f"{has(mine)}: set trainer.lora to its adapters', or model.init_lora=merge to train "
-            "on its merged weights")
+    theirs = {k: meta["config"]["trainer"]["lora"][k] for k in ("rank", "alpha", "target_modules")}
+    mine = {k: getattr(cfg.trainer.lora, k) for k in theirs}
+    if m.init_lora == "carry" and (not theirs["rank"] or theirs != mine):
+        raise ConfigError(f"model.init_lora=carry: {ckpt}'s adapters are {theirs} (rank 0: none), "
+                          f"this run's trainer.lora {mine}: make them equal, or set "
+                          "model.init_lora=merge to train on its merged weights")
     if m.init_lora == "carry" and cfg.trainer.lora.sync == "adapter":
         raise ConfigError("model.init_lora=carry serves the engines merged weights (final/): "
                           "adapters pushed over them would count twice; trainer.lora.sync=merged")

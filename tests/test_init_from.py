@@ -95,8 +95,8 @@ def test_a_run_without_final_starts_from_its_latest_checkpoint(recipe, sft_run, 
     ("missing", [], "'.*missing' does not exist: name the run directory of a molt sft"),
     ("empty", [], "is neither a checkpoint .* nor a run directory with one under checkpoints"),
     ("sft", ["model.init_lora=carry", "trainer.lora.rank=8"],
-     "carry: .* has rank 4, alpha 8.0, target_modules 'all-linear' but this run's trainer.lora "
-     "has rank 8.*or model.init_lora=merge"),
+     r"carry: .*step_000002's adapters are \{'rank': 4, 'alpha': 8.0, 'target_modules': "
+     r"'all-linear'\} .*, this run's trainer.lora \{'rank': 8, .*or set model.init_lora=merge"),
     ("sft", ["model.init_lora=carry", *LORA, "trainer.lora.sync=adapter"],
      "would count twice; trainer.lora.sync=merged"),
 ])
