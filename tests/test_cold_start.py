@@ -62,7 +62,7 @@ def test_demos_then_sft_then_rl_on_a_new_tool_task(tiny_model_dir, tmp_path, cap
     assert any((before[k] != after[k]).any() for k in before), "SFT changed no weight"
 
     assert main(["run", str(ROOT / "recipes/cpu/smollm2_units.yaml"), PLUGIN,
-                 f"model.path={sft_model}", "trainer.steps=1", "rollout.groups_per_step=1",
+                 f"model.init_from={sft_dir}", "trainer.steps=1", "rollout.groups_per_step=1",
                  "rollout.group_size=2", "eval.every=1", "eval.prompts=2", "--no-progress",
                  out]) == 0
     (rl_dir,) = [d for d in runs.iterdir() if d.name.startswith("smollm2_units-")]
@@ -70,3 +70,4 @@ def test_demos_then_sft_then_rl_on_a_new_tool_task(tiny_model_dir, tmp_path, cap
     assert len([r for r in rows if "reward/mean" in r]) == 1
     assert len([r for r in rows if "eval/greedy/pass@1" in r]) == 2       # before and after
     assert (rl_dir / "final" / "config.json").exists()
+    assert f"init_from: {sft_dir}" in (rl_dir / "config.yaml").read_text()    # the lineage
