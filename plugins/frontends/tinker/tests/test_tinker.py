@@ -146,3 +146,50 @@ def test_forward_backward_equals_molt_losses_loss_and_gradients(server: str, tin
     assert is_step.metrics["grad_norm"] == pytest.approx(2 * m_is["grad_norm"], rel=1e-4)
     for o, s, row in zip(after.loss_fn_outputs, seqs, lp_after):
         np.testing.assert_allclose(o["logprobs"].to_numpy(), row[1:len(s)].numpy(), atol=1e-4)
+
+
+GOOD = set("abcdefghijklmnop")  # the trivial task: answer with one of these letters
+RL_STEPS, RL_LR = 15, 0.2
+
+
+def _reward(tok, tokens: list[int]) -> float:
+    return float(tok.decode(tokens).strip()[:1] in GOOD and len(tokens) > 0)
+
+
+def _mean_reward(sampler, tok, prompts: list[list[int]], n: int) -> float:
+    params = types.SamplingParams(max_tokens=1, temperature=1.0, seed=123)
+    futures = [sampler.sample(types.ModelInput.from_ints(p), n, params) for p in prompts]
+    return float(np.mean([_reward(tok, s.tokens) for f in futures for s in f.result().sequences]))
+
+
+def test_rl_loop_importance_sampling_raises_the_held_out_reward(server: str):
+    """The cookbook's rl_loop shape: a sampler from the latest weights, groups of samples per
+    prompt, reward, advantages centred per group, importance_sampling on the sampler's
+    log-probs, optim_step; the mean reward on held-out prompts rises."""
+    with tinker.ServiceClient() as service:
+        tc = service.create_lora_training_client(base_model=_base(), rank=8, seed=3).result()
+        tok = tc.get_tokenizer()
+        train = [tok.encode(f"q{i}:") for i in range(8)]
+        held = [tok.encode(f"q{i}:") for i in range(8, 16)]
+        before = _mean_reward(tc.save_weights_and_get_sampling_client().result(), tok, held, 16)
+        for step in range(RL_STEPS):
+            sampler = tc.save_weights_and_get_sampling_client().result()
+            futures = [(p, sampler.sample(types.ModelInput.from_ints(p), 8, types.SamplingParams(
+                max_tokens=1, temperature=1.0, seed=1000 * step + i))) for i, p in enumerate(train)]
+            data = []
+            for prompt, fut in futures:
+                seqs = fut.result().sequences
+                rewards = [_reward(tok, s.tokens) for s in seqs]
+                mean = sum(rewards) / len(rewards)
+                for s, r in zip(seqs, rewards):
+                    if r == mean or not s.tokens:       # a flat group teaches nothing
+                        continue
+                    ob = len(prompt) - 1
+                    data.append(_datum(prompt + s.tokens, logprobs=[0.0] * ob + s.logprobs,
+                                       advantages=[0.0] * ob + [r - mean] * len(s.tokens)))
+            if data:
+                tc.forward_backward(data, "importance_sampling")
+                tc.optim_step(types.AdamParams(learning_rate=RL_LR)).result()
+        after = _mean_reward(tc.save_weights_and_get_sampling_client().result(), tok, held, 16)
+    print(f"held-out reward {before:.3f} -> {after:.3f}")
+    assert after >= before + 0.1, (before, after)      # measured: 0.391 -> 0.547
