@@ -68,7 +68,16 @@ def test_the_canary_covers_adapter_pushes(ray_local, tiny_chars_dir, tmp_path):
     """An engine that changes a weight after an adapter push's load fails that sync's canary."""
     with pytest.raises(WeightMismatchError, match=r"version 1: engine 0 .* canary text up to"):
         _run(tmp_path, tiny_chars_dir, "trainer.lora.sync=adapter", "engine.name=hf_corrupt",
-             "engine.args.where=load", "engine.args.from_version=1", plugins=["corrupt_plugin"])
+             "engine.args.where=load", "engine.args.from_version=1", "log.trajectories_every=0",
+             plugins=["corrupt_plugin"])
+
+
+def test_a_bf16_adapter_run_passes_the_default_checks(ray_local, tiny_chars_dir, tmp_path):
+    """bf16 base, fp32 adapters on both sides: the canary on every sync and the forward check on
+    every step pass at their default tolerances (calibrated canary; bf16 1.0)."""
+    rows = _run(tmp_path, tiny_chars_dir, "trainer.lora.sync=adapter", "model.dtype=bfloat16",
+                "trainer.steps=3", "log.trajectories_every=0")
+    assert rows[-1]["faults/weight_sync_mismatches"] == 0 and len(rows) == 3
 
 
 def test_adapter_push_sends_only_a_b_and_the_scaling(ray_local, tiny_model_dir):
