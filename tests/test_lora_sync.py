@@ -173,6 +173,35 @@ def test_one_engine_serves_two_adapters_and_the_base_in_one_batch(tiny_model_dir
     assert got[0].logprobs != got[2].logprobs != got[1].logprobs
 
 
+class _FlipsB(HFEngine):
+    """Loads every adapter push with one B element changed (the bytes its checksums see)."""
+
+    async def update_weights(self, named_tensors, version):
+        named_tensors = [(n, t.clone().index_fill_(0, torch.tensor([0]), 9.0)
+                          if n.endswith("q_proj.lora_B.weight") else t) for n, t in named_tensors]
+        await super().update_weights(named_tensors, version)
+
+
+def test_the_checksums_cover_adapter_pushes(tiny_model_dir):
+    """`weight_sync.send` of an adapter stream: an engine holding other bytes in a B than sent
+    is a WeightMismatchError naming it; a faithful engine's sums are the sender's."""
+    from molt_core import weight_sync
+    from molt_core.run.actors import LocalActor
+    for cls in (HFEngine, _FlipsB):
+        engine = LocalActor(cls, str(tiny_model_dir))
+        try:
+            named = _adapter(engine._instance, 1)
+            push = lambda: weight_sync.send(iter(named.items()), [engine], 1, 2**20, 60)  # noqa
+            if cls is HFEngine:
+                assert push()["bytes"] == sum(t.numel() * 4 for t in named.values())
+                continue
+            with pytest.raises(WeightMismatchError, match=r"engine 0 .* first 'model.layers.0."
+                               r"self_attn.q_proj.lora_B.weight' of bucket \d"):
+                push()
+        finally:
+            engine.kill()
+
+
 def test_bad_adapters_and_requests_are_one_clear_error_each(tiny_model_dir):
     """An adapter for another base (a shape, a module), one missing B or the scaling, one over
     engine max_adapters, a request for an unknown adapter: one error naming it; the engine goes
