@@ -111,8 +111,7 @@ def prepare(cfg: Config, plugins: Plugins) -> tuple[Any, int, Any]:
 
 
 def train_step(cfg: Config, plugins: Plugins, step: int, version: int) -> TrainStep:
-    """What `policy.train` does with one batch: the loss and its arguments (`step`: updates
-    before this one, as the lr schedule counts), the terms."""
+    """One batch's update: the loss, its arguments (`step`: the updates before it), the terms."""
     alg = cfg.algorithm
     loss_fn = plugins.get("loss", alg.loss)
     return TrainStep(loss_fn, {**alg.loss_args, **opt_in(loss_fn, step=step)}, alg.loss_agg,

@@ -80,10 +80,10 @@ def test_too_many_failures_abort_naming_the_commonest_error(ray_local, tiny_char
         train(cfg, plugins, None, progress=False)
 
 
-@pytest.mark.parametrize("scheme, kill", [("sync", "end:2"), ("async", "filter:2")])
+@pytest.mark.parametrize("scheme, kill", [("sync", "end:3"), ("async", "filter:3")])
 def test_killed_engine_is_replaced_with_current_weights(ray_local, tiny_chars_dir, tmp_path,
                                                         monkeypatch, scheme, kill):
-    """kill -9 of the engine's process. sync, between steps: step 3's requests meet the dead
+    """kill -9 of the engine's process. sync, between steps: step 4's requests meet the dead
     engine, are re-issued and wait while the driver starts a new one and pushes it the current
     weights. async, before a train step: the pool's in-flight requests are re-issued, and the
     weight push after the step meets the dead engine and is redone with a new one."""
@@ -94,7 +94,7 @@ def test_killed_engine_is_replaced_with_current_weights(ray_local, tiny_chars_di
         "trainer.steps=6", "check.consistency_every=1", "ray.embedded=off", *more],
         ["kill_plugin"])
     history = train(cfg, plugins, None, progress=False)    # every step: engine == trainer
-    # counted in the step it happens in: sync, step 3's generation; async, step 2's weight push
+    # counted in the step it happens in: sync, step 4's generation; async, step 3's weight push
     first = 3 if scheme == "sync" else 2
     assert [h["faults/engine_restarts"] for h in history] == [0] * first + [1] * (6 - first)
     assert all(h["mismatch/max_abs"] <= consistency_tol(cfg) for h in history)
@@ -106,7 +106,7 @@ def test_killed_engine_is_replaced_with_current_weights(ray_local, tiny_chars_di
 def test_engine_deaths_past_max_restarts_stop_the_run(ray_local, tiny_chars_dir, tmp_path,
                                                       monkeypatch):
     monkeypatch.syspath_prepend(str(TESTS))
-    monkeypatch.setenv("MOLT_TEST_KILL_ENGINE", "end:0")
+    monkeypatch.setenv("MOLT_TEST_KILL_ENGINE", "end:1")
     cfg, plugins = load(_recipe(tmp_path, tiny_chars_dir), [
         "trainer.steps=3", "engine.max_restarts=0", "ray.embedded=off"], ["kill_plugin"])
     with pytest.raises(EngineDiedError, match=r"engine 0 \(.*\) died: ActorDiedError: The actor "

@@ -17,7 +17,7 @@ from molt_core import hookimpl
 
 @hookimpl
 def molt_filter_batch(groups, step):
-    return [] if step == 1 else None        # [] is "nothing left", only None is "unchanged"
+    return [] if step == 2 else None        # [] is "nothing left", only None is "unchanged"
 '''
 
 
@@ -39,7 +39,7 @@ def history(ray_local, tiny_chars_dir, tmp_path_factory):
 def test_a_filter_that_empties_the_batch_skips_the_update(history):
     skipped = history[1]
     assert skipped["trainer/empty_batches"] == 1 and "loss" not in skipped
-    assert [h["version"] for h in history] == [1, 1, 2]      # no weight push for step 1
+    assert [h["version"] for h in history] == [1, 1, 2]      # no weight push for step 2
     assert "trainer/empty_batches" not in history[0] and history[2]["trainer/empty_batches"] == 1
 
 

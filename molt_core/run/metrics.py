@@ -72,9 +72,8 @@ def make_run_dir(out_dir: str, name: str, config: dict, plugins: dict, seed: int
 
 
 class MetricsSink:
-    """Appends one JSON line per step (`step`: updates done; with wall-clock `time` and
-    `elapsed_s`), fans it out to the metric sinks (`log.sinks`) and drives a progress bar (bar
-    off: one log line per step)."""
+    """Appends one JSON line per step (`step`: updates done, wall-clock `time`, `elapsed_s`), fans
+    it out to the metric sinks (`log.sinks`) and drives a progress bar (off: a log line a step)."""
 
     def __init__(self, run_dir: Path | None, total_steps: int, show: bool = True,
                  sinks: list[Any] = ()) -> None:
