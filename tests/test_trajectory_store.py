@@ -3,8 +3,10 @@ HF engine, FSDP2 trainer) for a gym, a multi-segment chat and a VL recipe."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -260,16 +262,25 @@ def full_tmpfs(tmp_path: Path):
         yield disk
 
 
+@pytest.mark.parametrize("starved", [False, True])
 def test_writer_on_a_full_disk_stops_the_run_with_one_clear_error(tiny_chars_dir, tmp_path,
-                                                                   full_tmpfs):
-    """ENOSPC at the writer's first flush (a real full tmpfs): `flush` (each checkpoint's) and
-    the next `write` raise a `RunDirError` naming the directory, the error and the free space;
-    no temporary file is left."""
+                                                                   full_tmpfs, monkeypatch,
+                                                                   starved):
+    """ENOSPC at the writer's first flush (a real full tmpfs), by the writer or (starved) by
+    the driver taking over: `flush` (each checkpoint's) and the next `write` raise a
+    `RunDirError` naming the directory, the error and the free space; no temporary file is left."""
+    import signal
+
+    from molt_core.run import trajectory_store
     from molt_core.run.metrics import RunDirError
     from molt_core.run.trajectory_store import TrajectoryWriter
 
+    monkeypatch.setattr(trajectory_store, "STARVED_S", 0.0 if starved else 600.0)
+
     tok = AutoTokenizer.from_pretrained(tiny_chars_dir)
     writer = TrajectoryWriter(full_tmpfs, tok)
+    if starved:
+        writer.proc.send_signal(signal.SIGSTOP)
     writer.write(0, make_trajs(tok, 0) * 50)
     try:
         with pytest.raises(RunDirError, match=rf"cannot save trajectories to {full_tmpfs}/"
@@ -283,49 +294,99 @@ def test_writer_on_a_full_disk_stops_the_run_with_one_clear_error(tiny_chars_dir
     assert list((full_tmpfs / "trajectories").iterdir()) == []
 
 
-# A loop's last steps, its final flush (the last checkpoint's) and exit, as `train` ends
-_LAST_STEPS = """import sys
+# A loop's last steps, its final flush (the last checkpoint's) and exit, as `train` ends, with a
+# writer that gets no CPU at all (SIGSTOP: as a busy machine starves an idle-priority process,
+# also where its priority can be raised, as here when root): what is on disk when close returns
+_LAST_STEPS = """import os, signal, sys
+from pathlib import Path
 from transformers import AutoTokenizer
-from molt_core.run.trajectory_store import TrajectoryWriter
+from molt_core.run import trajectory_store as store
+from molt_tools.view import read_trajectories
 from test_trajectory_store import make_trajs
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
-writer = TrajectoryWriter(__import__("pathlib").Path(sys.argv[2]), tok)
-for step in range(20):
-    writer.write(step, make_trajs(tok, step, n=32))
-writer.flush()
+store.STARVED_S = 1.0                   # the test's wait; the outcome is the same at 10 s
+writer = store.TrajectoryWriter(Path(sys.argv[2]), tok)
+os.kill(writer.proc.pid, signal.SIGSTOP)
+for step in range(1, 21):
+    writer.write(step, make_trajs(tok, step, n=8))
+writer.flush()                          # the last checkpoint's
+writer.write(21, make_trajs(tok, 21))   # to the new writer, from step 21
+os.kill(writer.proc.pid, signal.SIGSTOP)
 writer.close()
-print(writer.proc.pid, flush=True)
+print(sorted({r["step"] for r in read_trajectories(sys.argv[2])}), writer.proc.pid, flush=True)
 """
 
 
-def test_a_run_on_a_busy_machine_exits_with_its_trajectories_saved(tiny_chars_dir, tmp_path):
-    """Issue 45.1: every core busy with a sibling at normal priority; the run's writer (idle
-    priority) is starved. The run's last flush and exit still end with the steps on disk and no
-    writer left behind: it runs at normal priority while the loop waits for it, and exits
-    without interpreter teardown. (Before: the run waited minutes on the starved writer.)"""
+@contextlib.contextmanager
+def busy_machine():
+    """A sibling busy loop per core (2 at least), killed (by pid) when the block ends."""
     spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(os.cpu_count() or 1)]
+            for _ in range(max(2, os.cpu_count() or 1))]
     try:
-        out = subprocess.run([sys.executable, "-c", _LAST_STEPS, str(tiny_chars_dir),
-                              str(tmp_path)], capture_output=True, text=True, timeout=240,
-                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    finally:           # the busy siblings run until the run has exited (timeout: a hang guard)
+        yield
+    finally:
         for p in spin:
             p.kill()
             p.wait()
+
+
+def test_a_run_on_a_busy_machine_exits_with_its_trajectories_saved(tiny_chars_dir, tmp_path):
+    """Issue 45.1: every core busy with siblings; the run's writer gets no CPU from some step
+    on. Its last flush and close still return with every step on disk, saved by the driver, and
+    the writer ended: the process exits and says which steps it saved itself and where. (Before:
+    the flush waited up to 600 s, close 60 s and left the steps to the starved writer.)"""
+    with busy_machine():
+        out = subprocess.run([sys.executable, "-c", _LAST_STEPS, str(tiny_chars_dir),
+                              str(tmp_path)], capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.returncode == 0, out.stderr[-3000:]
-    assert not Path(f"/proc/{out.stdout.split()[-1]}").exists()     # the writer is gone too
-    assert sorted({r["step"] for r in read_trajectories(tmp_path)}) == list(range(20))
+    steps, pid = out.stdout.splitlines()[-1].rsplit(" ", 1)
+    assert steps == str(list(range(1, 22)))              # on disk when close returned
+    assert not Path(f"/proc/{pid}").exists()               # the writer is gone too
+    said = [line for line in (out.stdout + out.stderr).splitlines() if "writer starved" in line]
+    assert all(f"dir={tmp_path}/trajectories" in line for line in said)
+    assert [s.rsplit("steps=", 1)[1] for s in said] == ["1-20", "21-21"], said
+    rows = read_trajectories(tmp_path)
+    assert len(rows) == 20 * 8 + 2                        # each rollout once
+    assert len({(r["step"], r["rollout_id"]) for r in rows}) == len(rows)
 
 
-def test_the_loop_waiting_on_a_flush_lifts_the_writers_idle_priority(tiny_chars_dir, tmp_path):
-    """While the loop waits for a flush (a checkpoint, the run's end) or for the writer's exit,
-    the writer runs at normal priority (where the OS allows: root or RLIMIT_NICE), idle again
-    after a flush. The writer is held (SIGSTOP: starved) until the lift is seen."""
+def test_molt_rollout_on_a_busy_machine_exits_with_its_rollouts_saved(tiny_recipe, tmp_path):
+    """Issue 45.1, `molt rollout -n 4` beside busy siblings: it exits (0) with its Parquet file
+    written; nothing of it is left running."""
+    import psutil
+
+    mark = f"MOLT_TEST_BUSY_{os.getpid()}_{time.monotonic_ns()}"   # inherited by what it starts
+
+    def left() -> list:
+        out = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                out += [p.pid] if mark in p.environ() else []
+        return out
+
+    with busy_machine():
+        proc = subprocess.run([sys.executable, "-m", "molt_tools", "rollout", tiny_recipe,
+                               "-n", "4", f"out_dir={tmp_path / 'out'}"], capture_output=True,
+                              text=True, timeout=600,      # a hang guard, not a timing
+                              env={**os.environ, mark: "1", "RAY_TMPDIR": str(tmp_path / "ray")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(read_trajectories(next((tmp_path / "out").iterdir()))) == 4
+    assert left() == []
+
+
+def test_the_loop_waiting_on_a_flush_lifts_the_writers_idle_priority(tiny_chars_dir, tmp_path,
+                                                                     monkeypatch):
+    """While the loop waits for a flush (a checkpoint, the run's end), the writer runs at
+    normal priority (where the OS allows: root or RLIMIT_NICE), idle again after it. The writer
+    is held (SIGSTOP: starved) until the lift is seen (no take-over by the driver meanwhile)."""
     import signal
     import threading
 
+    from molt_core.run import trajectory_store
     from molt_core.run.trajectory_store import TrajectoryWriter
+
+    monkeypatch.setattr(trajectory_store, "STARVED_S", 600.0)
 
     def policy_becomes(want: int) -> None:     # a hang guard, not a timing
         for _ in range(600):
@@ -356,6 +417,7 @@ def test_the_loop_waiting_on_a_flush_lifts_the_writers_idle_priority(tiny_chars_
             waiting.join()
     raised_while(writer.flush)
     assert os.sched_getscheduler(writer.proc.pid) == os.SCHED_IDLE
+    writer.write(2, make_trajs(tok, 2))
     raised_while(writer.close)
-    assert writer.proc.poll() == 0
-    assert sorted({r["step"] for r in read_trajectories(tmp_path)}) == [0, 1]
+    assert writer.proc.poll() is not None            # ended once all is on disk
+    assert sorted({r["step"] for r in read_trajectories(tmp_path)}) == [0, 1, 2]

@@ -34,6 +34,7 @@ __all__ = ["TrajectoryWriter", "trajectory_rows", "write_trajectories"]
 
 log = structlog.get_logger("molt.trajectories")
 FLUSH_S = 10.0      # Parquet's cost per file is mostly fixed: one per this many seconds of steps
+STARVED_S = 10.0    # a flush the writer has not done in this long: the driver does it
 _INT, _F32 = pa.list_(pa.int32()), pa.list_(pa.float32())
 SCHEMA = pa.schema([
     ("step", pa.int64()), ("group_id", pa.int64()), ("rollout_id", pa.int64()),
@@ -81,31 +82,39 @@ def _save_image(pixels: torch.Tensor, image_dir: Path | None) -> str:
 
 def write_trajectories(path: Path, rows: list[tuple]) -> None:
     """Write rows of `SCHEMA` to one Parquet file (zstd), atomically (a temporary file renamed)."""
-    pq.write_table(pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(zip(*rows), SCHEMA)],
-                                        schema=SCHEMA), f"{path}.tmp", compression="zstd")
-    os.replace(f"{path}.tmp", path)
+    try:
+        pq.write_table(pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(zip(*rows),
+                       SCHEMA)], schema=SCHEMA), f"{path}.tmp", compression="zstd")
+        os.replace(f"{path}.tmp", path)
+    except OSError:
+        Path(f"{path}.tmp").unlink(missing_ok=True)
+        raise
 
 
 class TrajectoryWriter:
     """Saves what each step trained on from a SCHED_IDLE process (no GIL shared with the loop),
     fed by a thread (a full queue drops a step, warned); a checkpoint waits for `flush`, so each
-    step is saved once across a kill and resume; a failed writer stops the run (`RunDirError`).
+    step is saved once across a kill and resume; a failed writer stops the run (`RunDirError`),
+    a starved one (`STARVED_S`) is ended and the driver saves its steps (`sent`: not yet on disk).
     `start`: this run's first step (a resumed run's saved steps from it on replace any)."""
 
     def __init__(self, run_dir: Path | None, tokenizer: Any, every: int = 1, per_step: int = 0,
                  task_of: Callable[[int], int] | None = None, start: int = 0) -> None:
         self.dir = run_dir / "trajectories" if run_dir and every > 0 else None
         self.every, self.per_step, self.task_of = every, per_step or None, task_of
-        self.queue: queue.Queue = queue.Queue(maxsize=64)
-        self.why = ""               # the writer's failure
+        self.why, self.sent, self.tok = "", [], tokenizer   # its failure; steps not yet on disk
         if self.dir:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self.proc = subprocess.Popen(   # its own session: Ctrl-C stops the loop, not this
-                [sys.executable, "-c", _SERVE],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
-                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-            threading.Thread(target=self._run, daemon=True, name="molt-trajectories",
-                             args=(pickle.dumps((self.dir, tokenizer, start)),)).start()
+            self._spawn(start)
+
+    def _spawn(self, start: int) -> None:
+        self.queue: queue.Queue = queue.Queue(maxsize=64)
+        self.proc = subprocess.Popen(   # its own session: Ctrl-C stops the loop, not this
+            [sys.executable, "-c", _SERVE],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        threading.Thread(target=self._run, daemon=True, name="molt-trajectories", args=(
+            self.proc, self.queue, pickle.dumps((self.dir, self.tok, start)))).start()
 
     def write(self, step: int, trajs: list[Trajectory], policy: Any = None) -> None:
         """Queue the step's trajectories with the trainer's log-probs of their rows (one row per
@@ -114,39 +123,65 @@ class TrajectoryWriter:
             return
         if self.why or self.proc.poll() is not None:
             self._failed()
+        self._heard(0.0)
         lp = policy.trained_logprobs().numpy() if hasattr(policy, "trained_logprobs") else None
         try:
-            self.queue.put_nowait((step, trajs[:self.per_step], lp))
+            self.queue.put_nowait(item := (step, trajs[:self.per_step], lp))
+            self.sent.append(item)
         except queue.Full:
             log.warning("trajectory writer behind: step not saved", step=step)
 
-    def _run(self, setup: bytes) -> None:
-        self.proc.stdin.write(setup)
-        for item in iter(self.queue.get, None):
+    def _run(self, proc: subprocess.Popen, q: queue.Queue, setup: bytes) -> None:
+        proc.stdin.write(setup)
+        for item in iter(q.get, None):
             try:    # MoE routing is not saved (large, slow to pickle)
                 if item != "flush":
                     step, trajs, lp = item
                     trajs = [replace(t, routed_experts=None) for t in trajs]
                     tasks = {t.group_id: self.task_of(t.group_id) for t in trajs if self.task_of}
                     item = (step, trajs, tasks, lp)
-                pickle.dump(item, self.proc.stdin, protocol=5)
-                self.proc.stdin.flush()
-            except BrokenPipeError:     # the writer died: `write` and `flush` say why
+                pickle.dump(item, proc.stdin, protocol=5)
+                proc.stdin.flush()
+            except BrokenPipeError:     # it died or was ended: `flush` and `write` say why
                 return
             except Exception as e:   # a failed save must not kill the run
                 log.warning("trajectory save failed", step=step, error=f"{type(e).__name__}: {e}")
-        self.proc.stdin.close()
 
-    def flush(self, timeout: float = 600.0) -> None:
-        """Wait until every step queued so far is on disk (meanwhile the writer not idle)."""
-        if self.dir:
-            self.queue.put("flush", timeout=timeout)
-            self._priority("OTHER")
-            if not select.select([self.proc.stdout], [], [], timeout)[0]:
-                raise RunDirError(f"the trajectory writer saved nothing within {timeout}s: is "
-                                  f"the disk of {self.dir} stalled (or the CPU busy)?")
-            if (line := self.proc.stdout.readline()) != b"ok\n":
+    def _heard(self, timeout: float) -> bool:
+        """The writer's word within `timeout` s: a step (on disk up to it), "ok" (flushed: True)."""
+        end, said = time.monotonic() + timeout, self.proc.stdout.raw   # unbuffered: for select
+        while select.select([said], [], [], max(end - time.monotonic(), 0.0))[0]:
+            if (line := said.readline()) == b"ok\n":
+                self.sent = []
+                return True
+            if not line[:-1].isdigit():     # its last word: an error (none: it died)
                 self._failed(line)
+            self.sent = [s for s in self.sent if s[0] > int(line)]
+        return False
+
+    def flush(self, respawn: bool = True) -> None:
+        """Wait until every step queued so far is on disk (meanwhile the writer not idle, where
+        the OS allows); past `STARVED_S` the driver saves them (`respawn`: a new writer goes on)."""
+        if self.dir and self.sent:
+            with contextlib.suppress(queue.Full):       # full: that far behind, it is starved
+                self.queue.put_nowait("flush")
+            self._priority("OTHER")
+            if not self._heard(STARVED_S) and self.sent:    # (empty: its flush was not queued)
+                self._end()
+                (first, *_), (last, *_) = self.sent[0], self.sent[-1]
+                os.close(_claim(self.dir, first))       # what it saved from `first` on goes
+                try:
+                    write_trajectories(self.dir / f"step_{first:06d}.parquet", [
+                        r for step, trajs, lp in self.sent for r in trajectory_rows(
+                            step, trajs, self.tok, lp, self.task_of, self.dir / "images")])
+                except OSError as e:                    # as the writer would say it
+                    self._failed(f"{type(e).__name__}: {e} ({shutil.disk_usage(self.dir).free} "
+                                 "bytes free)".encode())
+                log.warning("trajectory writer starved (the machine is busy): the run saved its "
+                            "steps itself", steps=f"{first}-{last}", dir=str(self.dir))
+                self.sent = []
+                if respawn:
+                    self._spawn(last + 1)
             self._priority("IDLE")
 
     def _priority(self, policy: str) -> None:
@@ -162,16 +197,21 @@ class TrajectoryWriter:
                           "so far are kept; free space (or set log.trajectories_every=0), "
                           f"{resume_hint(self.dir.parent)}")
 
-    def close(self, timeout: float = 60.0) -> None:
-        """The last steps saved; past `timeout` (starved) the writer finishes them on its own."""
+    def _end(self) -> None:
+        self.proc.kill()            # all it held is on disk or in `sent`
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+
+    def close(self) -> None:
+        """The last steps on disk (`flush`), then the writer ends: exit never waits on it."""
         if self.dir:
-            self.queue.put(None)
-            self._priority("OTHER")
             try:
-                if self.proc.wait(timeout=timeout) and not self.why:
-                    log.error("trajectory writer failed", error=self.proc.stdout.read().decode())
-            except subprocess.TimeoutExpired:
-                log.warning("trajectory writer still saving: it ends after us", pid=self.proc.pid)
+                if not self.why:
+                    self.flush(respawn=False)
+            except OSError as e:        # a full disk: said; the run's own error goes on
+                log.error("trajectory writer failed", error=str(e))
+            finally:
+                self._end()
 
 
 # SCHED_IDLE (Linux) before the imports: only CPU nobody else wants, from the start (the actors
@@ -182,31 +222,39 @@ _SERVE = ("import gc, os; gc.disable()\nif hasattr(os, 'SCHED_IDLE'): os.sched_s
 
 def _serve() -> None:
     """The writer process: (dir, tokenizer, start), then one saved step after another; a file
-    per `FLUSH_S` seconds of them, one per "flush" (acknowledged on stdout), and one when the
-    loop closes its end (or dies). An OSError (disk full) is its last word on stdout."""
+    per `FLUSH_S` seconds of them, one per "flush", one when the loop closes its end (or dies).
+    Said on stdout: each file's last step, "ok" per flush, an OSError (disk full) as last word."""
     ack, (out, tokenizer, start) = os.fdopen(os.dup(1), "w"), pickle.load(sys.stdin.buffer)
     os.dup2(2, 1)                               # prints and logs: not on the acknowledgements
     try:
         _write_loop(out, tokenizer, start, ack)
         os._exit(0)         # all written: no interpreter teardown (seconds of CPU at idle priority)
     except OSError as e:
-        for f in out.glob("*.tmp"):
-            f.unlink()
-        ack.write(f"{type(e).__name__}: {e} ({shutil.disk_usage(out).free} bytes free)")
-        ack.flush()
-        sys.exit(1)
+        _say(ack, f"{type(e).__name__}: {e} ({shutil.disk_usage(out).free} bytes free)")
+        os._exit(1)
 
 
-def _write_loop(out: Path, tokenizer: Any, start: int, ack: Any) -> None:
-    # an earlier writer of this dir (its driver killed) ends, its last steps written, first
-    fcntl.flock(os.open(out, os.O_RDONLY), fcntl.LOCK_EX)
-    for f in out.glob("*.parquet"):         # an earlier run's steps from `start` on go
+def _claim(out: Path, start: int) -> int:
+    """The dir locked (an orphaned earlier writer ends first), its steps from `start` on gone."""
+    fcntl.flock(lock := os.open(out, os.O_RDONLY), fcntl.LOCK_EX)
+    for f in out.glob("*.parquet"):
         keep = pq.read_table(f, filters=[("step", "<", start)])
         if not keep.num_rows:
             f.unlink()
         elif keep.num_rows < pq.read_metadata(f).num_rows:     # atomically, as every file
             pq.write_table(keep, f"{f}.tmp", compression="zstd")
             os.replace(f"{f}.tmp", f)
+    return lock
+
+
+def _say(ack: Any, word: str) -> None:
+    with contextlib.suppress(BrokenPipeError):     # its driver gone: it saves on all the same
+        ack.write(word)
+        ack.flush()
+
+
+def _write_loop(out: Path, tokenizer: Any, start: int, ack: Any) -> None:
+    _claim(out, start)              # held while it lives: an earlier run's steps from start go
     rows, flushed, step, item = [], time.monotonic(), 0, None
     while step is not None:
         try:
@@ -223,8 +271,8 @@ def _write_loop(out: Path, tokenizer: Any, start: int, ack: Any) -> None:
             log.warning("trajectory save failed", step=step, error=f"{type(e).__name__}: {e}")
         if rows and (step is None or item == "flush" or time.monotonic() - flushed >= FLUSH_S):
             write_trajectories(out / f"step_{rows[0][0]:06d}.parquet", rows)
+            _say(ack, f"{rows[-1][0]}\n")            # on disk up to that step
             rows, flushed = [], time.monotonic()
         if item == "flush":
-            ack.write("ok\n")
-            ack.flush()
+            _say(ack, "ok\n")
             item = None
