@@ -110,7 +110,7 @@ class UnitAgent(ChatAgent):
         messages: list[Any] = [{"role": "user", "content": question}]
         calls = correct = 0
         async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key,
-                                      max_retries=0, timeout=900) as client:
+                                      max_retries=0, timeout=3600) as client:
             for _ in range(self.max_turns):
                 r = await client.chat.completions.create(model=ctx.model, messages=messages,
                                                          tools=TOOLS)

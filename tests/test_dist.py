@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[1]
-PLUGINS = sorted(p.parent for p in ROOT.glob("plugins/*/*/pyproject.toml"))
+PLUGINS = sorted(p.parent for p in [*ROOT.glob("plugins/*/*/pyproject.toml"),
+                                    *ROOT.glob("examples/*/pyproject.toml")])
 
 
 def _run(cmd: list, timeout: float = 600, cwd: Path | str = "/", **kw) -> str:
