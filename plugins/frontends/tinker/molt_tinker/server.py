@@ -77,8 +77,7 @@ def app(service: Service) -> FastAPI:
         return {"status": "accepted"}      # the SDK's telemetry stays on this machine, unread
 
     @api.post(f"{v1}/create_session")
-    async def create_session(request: Request) -> dict:
-        await body(request, types.CreateSessionRequest)
+    async def create_session() -> dict:       # tags and metadata: not kept
         return {"type": "create_session", "session_id": service.create_session()}
 
     @api.post(f"{v1}/session_heartbeat")

@@ -80,8 +80,8 @@ def server(recipe: Path) -> Iterator[str]:
 
 
 @pytest.fixture
-def server_log(recipe: Path) -> Path:
-    return recipe.parent / "server.log"
+def session_timeout() -> float:
+    return SESSION_TIMEOUT_S
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -193,3 +193,91 @@ def test_rl_loop_importance_sampling_raises_the_held_out_reward(server: str):
         after = _mean_reward(tc.save_weights_and_get_sampling_client().result(), tok, held, 16)
     print(f"held-out reward {before:.3f} -> {after:.3f}")
     assert after >= before + 0.1, (before, after)      # measured: 0.391 -> 0.547
+
+
+def test_bad_requests_get_the_sdks_errors_and_the_server_goes_on(server: str,
+                                                                session_timeout: float):
+    """Unknown base model and model id, wrong tensor shapes, an unknown future and an expired
+    session each get the SDK's error type; the live training client keeps training."""
+    import asyncio
+    import time
+
+    async def raw() -> None:
+        from tinker._client import AsyncTinker
+        client = AsyncTinker(base_url=server)
+        with pytest.raises(tinker.NotFoundError, match="unknown model 'nope'"):
+            await client.models.get_info(request=types.GetInfoRequest(model_id="nope"))
+        with pytest.raises(tinker.NotFoundError, match="unknown future 'nope'"):
+            await client.futures.retrieve(request=types.FutureRetrieveRequest(request_id="nope"))
+        sid = (await client.service.create_session(request=types.CreateSessionRequest(
+            tags=[], user_metadata=None, sdk_version=tinker.__version__))).session_id
+        await asyncio.sleep(session_timeout + 1)      # no heartbeat: the session expires
+        with pytest.raises(tinker.APIStatusError, match="expired") as gone:
+            await client.service.session_heartbeat(session_id=sid)
+        assert gone.value.status_code == 410
+        with pytest.raises(tinker.APIStatusError, match="expired"):
+            await client.models.create(request=types.CreateModelRequest(
+                session_id=sid, model_seq_id=0, base_model=_base(),
+                lora_config=types.LoraConfig(rank=4)))
+        await client.close()
+
+    seq = [3, 7, 9, 12, 5]
+    with tinker.ServiceClient() as service:
+        with pytest.raises(tinker.BadRequestError, match="unknown base model 'Qwen/Qwen3-8B'"):
+            service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
+        tc = service.create_lora_training_client(base_model=_base(), rank=4).result()
+        with pytest.raises(tinker.RequestFailedError, match=r"'weights'\] has shape \[2\]") as e:
+            tc.forward_backward([_datum(seq, weights=[1.0, 1.0])], "cross_entropy").result()
+        assert e.value.category == types.RequestErrorCategory.User
+        with pytest.raises(tinker.RequestFailedError, match="lacks 'advantages'"):
+            tc.forward_backward([_datum(seq, logprobs=[0.0] * 4)], "ppo").result()
+        asyncio.run(raw())
+        t0 = time.monotonic()
+        out = tc.forward_backward([_datum(seq, weights=[1.0] * 4)], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        assert out.metrics["loss:sum"] > 0 and time.monotonic() - t0 < 600
+
+
+def test_sampling_stop_sequences_prompt_logprobs_and_checkpoints(server: str):
+    """Stop token ids and stop strings end a sample (stop_reason "stop"), max_tokens gives
+    "length"; prompt log-probs equal the trainer's; save_state / load_state_with_optimizer
+    restore the weights (and create_training_client_from_state makes a new model of them)."""
+    with tinker.ServiceClient() as service:
+        tc = service.create_lora_training_client(base_model=_base(), rank=4, seed=2).result()
+        tok = tc.get_tokenizer()
+        seq = tok.encode("abcabcab")
+        data = [_datum(seq, weights=[1.0] * (len(seq) - 1))]
+        for _ in range(2):
+            tc.forward_backward(data, "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        saved = tc.save_state("two-steps").result().path
+        trained = tc.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        prompt = types.ModelInput.from_ints(seq)
+        plain = sampler.sample(prompt, 3, types.SamplingParams(max_tokens=6, seed=5),
+                               include_prompt_logprobs=True).result()
+        assert all(s.stop_reason == "length" and len(s.tokens) == 6 for s in plain.sequences)
+        assert plain.prompt_logprobs[0] is None
+        np.testing.assert_allclose(plain.prompt_logprobs[1:], trained, atol=1e-4)
+        for s in plain.sequences:
+            assert len(s.logprobs) == 6 and all(lp <= 0 for lp in s.logprobs)
+        first = plain.sequences[0].tokens
+        by_id = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=6, seed=5,
+                                                              stop=[first[2]])).result()
+        assert by_id.sequences[0].tokens == first[:3] and by_id.sequences[0].stop_reason == "stop"
+        text = tok.decode(first[:2])
+        by_str = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=6, seed=5,
+                                                               stop=[text])).result()
+        assert tok.decode(by_str.sequences[0].tokens).endswith(text)
+        assert by_str.sequences[0].stop_reason == "stop"
+        tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-1)).result()
+        moved = tc.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        assert np.abs(moved - trained).max() > 1e-3
+        tc.load_state_with_optimizer(saved).result()
+        back = tc.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        np.testing.assert_allclose(back, trained, atol=1e-5)
+    with tinker.ServiceClient() as service:
+        tc = service.create_training_client_from_state_with_optimizer(saved).result()
+        again = tc.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        np.testing.assert_allclose(again, trained, atol=1e-5)
