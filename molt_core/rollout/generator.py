@@ -18,6 +18,7 @@ import structlog
 from molt_core.config import Config
 from molt_core.contracts import RolloutContext
 from molt_core.rollout.client import EngineClient
+from molt_core.run.actors import DaemonExecutor
 from molt_core.trajectory import Completion, ImageInput, InvariantError, Trajectory
 
 __all__ = ["AbsurdReward", "FailureRateError", "Generator", "NonFiniteReward", "filter_stale",
@@ -59,6 +60,7 @@ class Generator:
         self._revive: Callable[[dict[int, str]], None] | None = None   # see on_engine_death
         self.on_group_done: Callable[[list[Trajectory]], None] | None = None   # eval's progress
         self.loop = asyncio.new_event_loop()
+        self.loop.set_default_executor(DaemonExecutor())   # a blocked reward: no hang at exit
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
                                         name="molt-generator")
         self._thread.start()

@@ -13,12 +13,42 @@ import contextlib
 import ctypes
 import functools
 import inspect
+import os
+import queue
 import sys
 import threading
 import types
 from typing import Any, Callable
 
-__all__ = ["LocalActor", "LocalRef", "get", "is_local", "release_threads", "wait"]
+__all__ = ["DaemonExecutor", "LocalActor", "LocalRef", "get", "is_local", "release_threads", "wait"]
+
+
+class DaemonExecutor(cf.ThreadPoolExecutor):
+    """A loop's `asyncio.to_thread` pool (rewards, tools) of daemon threads, at most `workers`:
+    the pool's own are joined at exit, so a reward blocked forever kept a failed or finished run
+    alive (issue 41 item 12). Only the type is the pool's (asyncio requires it)."""
+
+    def __init__(self, workers: int = min(32, (os.cpu_count() or 1) + 4)) -> None:
+        super().__init__(workers)
+        self._jobs, self._idle, self._left = queue.SimpleQueue(), threading.Semaphore(0), workers
+
+    def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> cf.Future:
+        self._jobs.put((fut := cf.Future(), fn, args, kwargs))
+        if not self._idle.acquire(blocking=False) and self._left:
+            self._left -= 1
+            threading.Thread(target=self._work, daemon=True, name="molt-executor").start()
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            fut, fn, args, kwargs = self._jobs.get()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args, **kwargs))
+                except BaseException as e:      # as the pool's: the caller's to see
+                    fut.set_exception(e)
+            del fut, fn, args, kwargs
+            self._idle.release()
 
 
 class LocalRef:

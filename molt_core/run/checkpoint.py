@@ -184,12 +184,22 @@ class Checkpointer:
                         resume=f"molt run --resume {self.run_dir}")
         return self.stop_signal is not None
 
-    def _engine_rng(self, engine: Any) -> Any:
-        """Its sampling RNG; None if it has none or died (the next step's requests replace it)."""
+    def _engine_rng(self, i: int, late: list[str]) -> Any:
+        """Engine `i`'s sampling RNG; None if it has none, died (the next step's requests replace
+        it) or does not answer within `engine.timeout_s` or before a stop signal (it goes into
+        `late`): awaited in 1 s slices, so SIGINT/SIGTERM are seen (they were not for 150 s)."""
         from ray.exceptions import RayActorError
+        engine = self.engines[i]
+        if not hasattr(engine, "rng_state"):
+            return None
+        ref, deadline = engine.rng_state.remote(), time.monotonic() + self.cfg.engine.timeout_s
+        while not actors.wait([ref], timeout=1.0)[0]:
+            if self.stop_signal is not None or time.monotonic() > deadline:
+                late.append(f"engine {i} ({engine})")
+                log.warning("engine does not answer: the checkpoint has not its RNG", engine=i)
+                return None
         try:
-            return actors.get(engine.rng_state.remote(), timeout=self.cfg.engine.timeout_s) \
-                if hasattr(engine, "rng_state") else None
+            return actors.get(ref)
         except RayActorError as e:
             log.warning("engine died: the checkpoint has not its RNG", error=type(e).__name__)
             return None
@@ -210,7 +220,8 @@ class Checkpointer:
                             self.plugins.hook.molt_state_dict.get_hookimpls()
                             if (v := impl.function()) is not None}
             bad = {k: why for k, v in plugin_state.items() if (why := _unloadable(v))}
-            engine_rng = [self._engine_rng(e) for e in self.engines]
+            late: list[str] = []
+            engine_rng = [self._engine_rng(i, late) for i in range(len(self.engines))]
             buf = io.BytesIO()          # a full disk: an OSError, where torch.save's is not
             torch.save({"step": done, "version": self.version, "critic": critic,
                         "rng": rng_state(), "engine_rng": engine_rng, "generator": gen,
@@ -240,6 +251,12 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
         for stale in root.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
+        if late and self.stop_signal is None:      # saved: now the run stops
+            raise CheckpointError(
+                f"{late[0]} did not answer within {self.cfg.engine.timeout_s}s (engine.timeout_s) "
+                f"while {final} was written: it holds the run but not that engine's sampling RNG "
+                f"(a resume samples anew there). See the engine's log for why it hangs, "
+                f"{resume_hint(self.run_dir)}")
         for name, why in bad.items():      # after the weights are safe: the run stops here
             raise CheckpointError(
                 f"plugin {name}'s molt_state_dict returned what a checkpoint cannot hold ({why}); "
