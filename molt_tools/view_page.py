@@ -66,7 +66,7 @@ input{width:4.5em}#step{width:5.5em}
  <input id="tmax" type="number"></label>
 <label title="a token sampled by a weight version in this range">version <input id="vmin"
  type="number"> &ndash; <input id="vmax" type="number"></label>
-<label title="step minus the oldest version that sampled a token">lag &ge; <input id="lag"
+<label title="versions behind the weights of the step (step - 1) for the oldest version that sampled a token: 0 on-policy">lag &ge; <input id="lag"
  type="number"></label>
 <label title="max |trainer - engine| log-prob of a trainable token">|gap| &ge; <input id="gap"
  type="number" step="any"></label>
@@ -107,7 +107,7 @@ function passes(x, step, f) {
   const v = x.versions;
   return meets(f.rmin, f.rmax, ...x.rewards) && meets(f.tmin, f.tmax, ...x.turns)
       && (isNaN(f.vmin) && isNaN(f.vmax) || v !== null && meets(f.vmin, f.vmax, ...v))
-      && (isNaN(f.lag) || v !== null && step - v[0] >= f.lag)
+      && (isNaN(f.lag) || v !== null && step - 1 - v[0] >= f.lag)
       && (isNaN(f.gap) || x.gap !== null && x.gap >= f.gap);
 }
 function asRanges(r) {

@@ -38,8 +38,9 @@ def ids(tok, text: str) -> list[int]:
 
 @pytest.fixture
 def run_dir(tmp_path, tiny_chars_dir) -> Path:
-    """Step 0: a two-turn rollout (env feedback between the turns, reward per turn) and a
-    one-turn one; step 1: a two-segment rollout sampled by versions 1 and 2, with a trainer gap."""
+    """Step 1: a two-turn rollout (env feedback between the turns, reward per turn) and a
+    one-turn one, sampled by version 0; step 2: a two-segment rollout sampled by versions 0 and 1
+    (a partial rollout: lag 1), with a trainer gap."""
     tok = AutoTokenizer.from_pretrained(tiny_chars_dir)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump({"model": {"path": str(tiny_chars_dir)}}))
     a = Trajectory(0, 0, reward=1.5, turn_rewards=[0.5, 1.0])
@@ -52,14 +53,14 @@ def run_dir(tmp_path, tiny_chars_dir) -> Path:
     b.add_completion(Completion(ids(tok, "9"), [-2.0], [0]))
     c = Trajectory(1, 0, reward=0.25)
     c.add_prompt(ids(tok, "after c "), [ImageInput(torch.ones(4, 6), [1, 2, 2], 0, 2)])
-    c.add_completion(Completion(ids(tok, "dd"), [-0.1, -0.3], [1, 2]))
+    c.add_completion(Completion(ids(tok, "dd"), [-0.1, -0.3], [0, 0]))
     c.segments.append(len(c))
     c.add_prompt(ids(tok, "again "))
-    c.add_completion(Completion(ids(tok, "e"), [-0.4], [2]))
+    c.add_completion(Completion(ids(tok, "e"), [-0.4], [1]))
     out = tmp_path / "trajectories"
     out.mkdir()
-    for step, trajs in ((0, [a, b]), (1, [c])):
-        lp = pad_sequence([torch.tensor(s.logprobs) + 0.5 * step * torch.tensor(s.loss_mask)
+    for step, trajs in ((1, [a, b]), (2, [c])):
+        lp = pad_sequence([torch.tensor(s.logprobs) + 0.5 * (step - 1) * torch.tensor(s.loss_mask)
                            for t in trajs for s in t.split_segments()], batch_first=True)
         write_trajectories(out / f"step_{step:06d}.parquet", trajectory_rows(step, trajs, tok, lp))
     return tmp_path
@@ -75,7 +76,7 @@ def test_roles_and_terminal_view(run_dir):
     console = Console(record=True, width=120, file=open("/dev/null", "w"))
     render_terminal(rows, "role", console)
     text = console.export_text()
-    assert "step 0  group 0  rollout 0  reward 1.500  turns [0.5, 1.0]" in text
+    assert "step 1  group 0  rollout 0  reward 1.500  turns [0.5, 1.0]" in text
     assert "guess 1-9: 5 [r=0.5] lower 3 [r=1]" in text and "after c dd ‖ again e" in text
     console = Console(record=True, width=120, color_system="standard", file=open("/dev/null", "w"))
     render_terminal(rows[2:], "gap", console)
@@ -109,21 +110,22 @@ def test_paged_view_in_headless_chromium(run_dir, tmp_path, capsys):
     page = run_dir / "view" / "index.html"
     assert f"view: {page} (3 rollouts, 2 steps)" in capsys.readouterr().out
     assert sorted(f.name for f in (run_dir / "view" / "steps").iterdir()) == [
-        "step_000000.js", "step_000001.js"]
+        "step_000001.js", "step_000002.js"]
     assert "guess 1-9" not in page.read_text(), "the index holds no rollouts"
     url = page.as_uri()
     dom = chromium("--dump-dom", url)                  # first step shown by default
-    assert listed_steps(dom) == [0, 1] and "step 0: 2 of 2 rollouts" in dom
+    assert listed_steps(dom) == [1, 2] and "step 1: 2 of 2 rollouts" in dom
     assert dom.count('class="rollout"') == 2 and dom.count('class="treward"') == 2
     assert 'class="tok trainable"' in dom and 'class="tok tool"' in dom
     assert 'class="tok prompt"' in dom
-    dom = chromium("--dump-dom", url + "?step=1&colour=version")
-    assert "v1</span>" in dom and "v2</span>" in dom and "hsl(330,70%,80%)" in dom
+    dom = chromium("--dump-dom", url + "?step=2&colour=version")
+    assert "v0</span>" in dom and "v1</span>" in dom and "hsl(330,70%,80%)" in dom
     assert "[image 2 tokens]" in dom and 'class="seg"' in dom
-    for query, steps, count in [("rmin=0.2&rmax=1", [0, 1], "step 0: 0 of 2"),  # by reward
-                                ("tmax=1", [0], "step 0: 1 of 2"),              # by turns
-                                ("vmin=2", [1], "step 1: 1 of 1"),              # by version
-                                ("gap=0.4&lag=0", [1], "step 1: 1 of 1")]:      # by |gap|
+    for query, steps, count in [("rmin=0.2&rmax=1", [1, 2], "step 1: 0 of 2"),  # by reward
+                                ("tmax=1", [1], "step 1: 1 of 2"),              # by turns
+                                ("vmin=1", [2], "step 2: 1 of 1"),              # by version
+                                ("lag=1", [2], "step 2: 1 of 1"),  # on-policy step 1: lag 0
+                                ("gap=0.4&lag=0", [2], "step 2: 1 of 1")]:      # by |gap|
         dom = chromium("--dump-dom", f"{url}?{query}")
         assert listed_steps(dom) == steps and count in dom, query
     shot = tmp_path / "shot.png"
@@ -148,7 +150,7 @@ def test_page_shows_the_stored_tokens_from_a_copied_run_dir(run_dir, tiny_chars_
     assert main(["view", str(copy), "--out", "elsewhere"]) == 0
     moved = shutil.move(tmp_path / "elsewhere", tmp_path / "moved")
     stored = {(r["step"], r["rollout_id"]): r for r in read_trajectories(copy)}
-    for step, n in ((0, 2), (1, 1)):
+    for step, n in ((1, 2), (2, 1)):
         dom = chromium("--dump-dom", (moved / "index.html").as_uri() + f"?step={step}")
         drawn = shown_tokens(dom)
         assert len(drawn) == n
@@ -160,9 +162,9 @@ def test_page_shows_the_stored_tokens_from_a_copied_run_dir(run_dir, tiny_chars_
             assert [t for _, t in toks] == [tok.decode([r["token_ids"][i]]) for i, _ in toks]
             if not skipped:
                 assert "".join(t for _, t in toks) == "".join(r["segment_text"])
-    script = (moved / "steps" / "step_000001.js").read_text()
+    script = (moved / "steps" / "step_000002.js").read_text()
     rec = json.loads(json.loads(script[len("molt_step(JSON.parse("):-len("));\n")]))
-    assert rec["rollouts"][0]["ids"] == stored[1, 0]["token_ids"]
+    assert rec["rollouts"][0]["ids"] == stored[2, 0]["token_ids"]
 
 
 @needs_browser
@@ -172,8 +174,8 @@ def test_single_file_view(run_dir, capsys):
     page = run_dir / "view.html"
     assert f"view: {page} (3 rollouts, 2 steps)" in capsys.readouterr().out
     assert not (run_dir / "view").exists()
-    dom = chromium("--dump-dom", page.as_uri() + "?step=1")
-    assert "step 1: 1 of 1 rollouts" in dom and "[image 2 tokens]" in dom
+    dom = chromium("--dump-dom", page.as_uri() + "?step=2")
+    assert "step 2: 1 of 1 rollouts" in dom and "[image 2 tokens]" in dom
 
 
 def test_tokenizer_from_final_in_a_copied_run_dir_else_one_line_error(run_dir, tiny_chars_dir,
