@@ -41,6 +41,12 @@ def run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", metavar="PATH", help="with --resume: this checkpoint")
 
 
+def _lineage(cfg: Config) -> None:
+    if cfg.model.init_from:
+        from molt_core.run.checkpoint import init_from
+        init_from(cfg)
+
+
 def load(recipe: str | None, overrides: list[str], plugin_names: list[str] = (),
          blocked: list[str] = (), weights: bool = True) -> tuple[Config, Plugins]:
     """Plugins, then config (recipe < --plugin selections < key=value), then cross-checks;
@@ -49,7 +55,7 @@ def load(recipe: str | None, overrides: list[str], plugin_names: list[str] = (),
         raise PluginError(f"-p takes no:NAME to block a plugin (got {bad[0]!r})")
     plugins = build_plugins(plugin_names, blocked)
     cfg = load_config(recipe, plugins.selection_overrides() + list(overrides),
-                      plugins.registry["config_section"])
+                      plugins.registry["config_section"], _lineage)
     check_against_plugins(cfg, plugins)
     if not any(any(Path(cfg.model.path).glob(p)) for p in ("*.safetensors", "*.bin")):
         problem = (f"model.path '{cfg.model.path}' has no weights (*.safetensors or "

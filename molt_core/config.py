@@ -336,8 +336,9 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
 
 
 def load_config(path: str | Path | None, overrides: list[str] = (),
-                sections: dict[str, type] | None = None) -> Config:
-    """Load a recipe, apply overrides, build typed sections (core + plugin) and validate."""
+                sections: dict[str, type] | None = None, resolve: Any = None) -> Config:
+    """Load a recipe, apply overrides, build typed sections (core + plugin), `resolve(cfg)` (the
+    CLI's: model.init_from), validate."""
     data: dict = {}
     if path is not None:
         if not (p := Path(path)).is_file():
@@ -366,9 +367,8 @@ def load_config(path: str | Path | None, overrides: list[str] = (),
                    for name, cls in sections.items()}
     if path is not None:
         _near_recipe(cfg, Path(path).parent)
-    if cfg.model.init_from:
-        from molt_core.sft_trainer import init_from
-        init_from(cfg)
+    if resolve:
+        resolve(cfg)
     validate(cfg)
     return cfg
 

@@ -26,7 +26,7 @@ from molt_core.config import Config, ConfigError, to_dict
 from molt_core.data import read_rows
 from molt_core.trajectory import Completion, Trajectory, collate
 
-__all__ = ["init_from", "main", "nll", "render_row", "sft", "sft_args", "start"]
+__all__ = ["main", "nll", "render_row", "sft", "sft_args", "start"]
 
 
 def nll(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -81,37 +81,6 @@ def render_row(row: dict, tokenizer: Any, stop_ids: list[int], max_tokens: int) 
     except chat_api.RequestError as e:
         raise ValueError(f"{e} (sft.max_tokens={max_tokens})") from None
     return session.trajectory
-
-
-def init_from(cfg: Config) -> None:
-    """Resolve `model.init_from` (a run dir or checkpoint) in place: model.path its weights as an
-    HF directory (the run's final/ when that checkpoint is its last step, else one exported into
-    the checkpoint), model.init_from the checkpoint; carry: trainer.lora must be its adapters'."""
-    from molt_core.run.checkpoint import CheckpointError, export, resolve
-    m = cfg.model
-    if not Path(m.init_from).is_dir():
-        raise ConfigError(f"model.init_from '{m.init_from}' does not exist: name the run directory "
-                          "of a molt sft or molt run (its final/ or latest checkpoint is used)")
-    try:
-        ckpt = resolve(m.init_from)
-        meta = json.loads((ckpt / "meta.json").read_text())
-        final = ckpt.parents[1] / "final"
-        hf = final if final.is_dir() and meta["step"] == meta["config"]["trainer"]["steps"] \
-            else ckpt / "hf"
-        if not hf.is_dir():
-            export(ckpt, hf)
-    except CheckpointError as e:
-        raise ConfigError(f"model.init_from: {e}") from None
-    theirs = {k: meta["config"]["trainer"]["lora"][k] for k in ("rank", "alpha", "target_modules")}
-    mine = {k: getattr(cfg.trainer.lora, k) for k in theirs}
-    if m.init_lora == "carry" and (not theirs["rank"] or theirs != mine):
-        raise ConfigError(f"model.init_lora=carry: {ckpt}'s adapters are {theirs} (rank 0: none), "
-                          f"this run's trainer.lora {mine}: make them equal, or set "
-                          "model.init_lora=merge to train on its merged weights")
-    if m.init_lora == "carry" and cfg.trainer.lora.sync == "adapter":
-        raise ConfigError("model.init_lora=carry serves the engines merged weights (final/): "
-                          "adapters pushed over them would count twice; trainer.lora.sync=merged")
-    m.path, m.init_from = str(hf), str(ckpt)
 
 
 def _rows(path: str) -> list[tuple[int, dict]]:

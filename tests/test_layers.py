@@ -58,3 +58,28 @@ def test_plugins_import_no_example_and_no_tool() -> None:
                                   ("examples/*/*/**/*.py", {"molt_tools"}))
            for p in sources(pattern) for m in imports(p) if m.split(".")[0] in above}
     assert not bad, f"a plugin imports an example or a tool, or an example a tool: {sorted(bad)}"
+
+
+def test_the_core_runs_one_way() -> None:
+    """Within molt_core no module imports, at run time, one that imports it back (directly or
+    around a longer circle): config.py once reached sft_trainer.py for model.init_from, and
+    rollout/restarts.py trainer.py for the log-prob gaps."""
+    mods = {module(p): p for p in sources("molt_core/**/*.py") if p.name != "__init__.py"}
+    graph = {m: {max((k for k in mods if n == k or n.startswith(k + ".")), key=len)
+                 for n in imports(p) if any(n == k or n.startswith(k + ".") for k in mods)} - {m}
+             for m, p in mods.items()}
+    done: set[str] = set()
+
+    def circle(m: str, path: list[str]) -> list[str] | None:
+        if m in path:
+            return path[path.index(m):] + [m]
+        if m in done:
+            return None
+        for n in sorted(graph[m]):
+            if found := circle(n, path + [m]):
+                return found
+        done.add(m)
+        return None
+
+    for m in sorted(mods):
+        assert not (found := circle(m, [])), f"a circle in the core: {' -> '.join(found)}"

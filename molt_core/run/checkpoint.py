@@ -30,8 +30,8 @@ from molt_core.run.metrics import RunDirError, resume_hint
 from molt_core.trajectory import ImageInput, Trajectory
 
 __all__ = ["SAFE_TO_CHANGE", "Checkpointer", "CheckpointError", "check_resume_config",
-           "export", "export_hf", "latest", "prepare_resume", "resolve", "resume_recipe",
-           "rng_state", "set_rng_state"]
+           "export", "export_hf", "init_from", "latest", "prepare_resume", "resolve",
+           "resume_recipe", "rng_state", "set_rng_state"]
 
 log = structlog.get_logger("molt.checkpoint")
 REPEAT_S = 2.0      # a stop signal again within this is the same request (timeout, wrappers)
@@ -302,6 +302,36 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
         from molt_core.lora import merged
         state = dict(merged(iter(state.items()), lora_cfg["alpha"] / lora_cfg["rank"]))
     return export_hf(state, meta["model_path"], out, meta["dtype"])
+
+
+def init_from(cfg: Config) -> None:
+    """Resolve `model.init_from` (a run dir or checkpoint) in place: model.path its weights as an
+    HF directory (the run's final/ when that checkpoint is its last step, else one exported into
+    the checkpoint), model.init_from the checkpoint; carry: trainer.lora must be its adapters'."""
+    m = cfg.model
+    if not Path(m.init_from).is_dir():
+        raise ConfigError(f"model.init_from '{m.init_from}' does not exist: name the run directory "
+                          "of a molt sft or molt run (its final/ or latest checkpoint is used)")
+    try:
+        ckpt = resolve(m.init_from)
+        meta = json.loads((ckpt / "meta.json").read_text())
+        final = ckpt.parents[1] / "final"
+        hf = final if final.is_dir() and meta["step"] == meta["config"]["trainer"]["steps"] \
+            else ckpt / "hf"
+        if not hf.is_dir():
+            export(ckpt, hf)
+    except CheckpointError as e:
+        raise ConfigError(f"model.init_from: {e}") from None
+    theirs = {k: meta["config"]["trainer"]["lora"][k] for k in ("rank", "alpha", "target_modules")}
+    mine = {k: getattr(cfg.trainer.lora, k) for k in theirs}
+    if m.init_lora == "carry" and (not theirs["rank"] or theirs != mine):
+        raise ConfigError(f"model.init_lora=carry: {ckpt}'s adapters are {theirs} (rank 0: none), "
+                          f"this run's trainer.lora {mine}: make them equal, or set "
+                          "model.init_lora=merge to train on its merged weights")
+    if m.init_lora == "carry" and cfg.trainer.lora.sync == "adapter":
+        raise ConfigError("model.init_lora=carry serves the engines merged weights (final/): "
+                          "adapters pushed over them would count twice; trainer.lora.sync=merged")
+    m.path, m.init_from = str(hf), str(ckpt)
 
 
 def export_hf(state_dict: dict[str, torch.Tensor], model_dir: str | Path, out: str | Path,
