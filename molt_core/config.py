@@ -374,10 +374,17 @@ def load_config(path: str | Path | None, overrides: list[str] = (),
 
 
 def _near_recipe(cfg: Config, folder: Path) -> None:
-    """model.path, model.chat_template and the env's `data` file that do not exist from the
-    working directory but do next to the recipe are read there."""
-    def near(p: str) -> str:
-        return str(folder / p) if p and not Path(p).exists() and (folder / p).exists() else p
-    cfg.model.path, cfg.model.chat_template = near(cfg.model.path), near(cfg.model.chat_template)
-    if isinstance(env := cfg.agent.args.get("env_args"), dict) and isinstance(env.get("data"), str):
-        env["data"] = near(env["data"])
+    """model.path, chat_template and init_from, sft.data and the env's `data` (a file or
+    {split: file}, in agent.args and eval.agent_args) that do not exist from the working directory
+    but do next to the recipe are read there."""
+    def near(p: Any) -> Any:
+        if isinstance(p, dict):
+            return {k: near(v) for k, v in p.items()}
+        return str(folder / p) if isinstance(p, str) and p and not Path(p).exists() and (
+            folder / p).exists() else p
+    m = cfg.model
+    m.path, m.chat_template, m.init_from = near(m.path), near(m.chat_template), near(m.init_from)
+    cfg.sft.data = near(cfg.sft.data)
+    for args in (cfg.agent.args, cfg.eval.agent_args):
+        if isinstance(env := args.get("env_args"), dict) and "data" in env:
+            env["data"] = near(env["data"])

@@ -101,8 +101,8 @@ def test_validate_ok(recipe, capsys):
 
 def test_paths_missing_from_cwd_are_read_next_to_the_recipe(tiny_model_dir, tmp_path,
                                                              monkeypatch):
-    """model.path, chat_template and the data file relative to the recipe's folder (issue 41.11:
-    they were read from the working directory only)."""
+    """model.path, chat_template and the data files (agent, eval, sft; a file or {split: file})
+    relative to the recipe's folder (issue 41.11: read from the working directory only)."""
     (folder := tmp_path / "recipes").mkdir()
     (folder / "model").symlink_to(tiny_model_dir)
     (folder / "chat.jinja").write_text("{{ messages }}")
@@ -113,8 +113,14 @@ def test_paths_missing_from_cwd_are_read_next_to_the_recipe(tiny_model_dir, tmp_
     (folder / "r.yaml").write_text(yaml.safe_dump(data))
     (elsewhere := tmp_path / "cwd").mkdir()
     monkeypatch.chdir(elsewhere)
+    data["eval"] = {"agent_args": {"env_args": {"data": {"test": "rows.jsonl", "x": "nowhere"}}}}
+    data["sft"] = {"data": "rows.jsonl"}
+    (folder / "r.yaml").write_text(yaml.safe_dump(data))
     cfg = load_config("../recipes/r.yaml")
     assert (cfg.model.path, cfg.model.chat_template, cfg.agent.args["env_args"]["data"]) == (
         "../recipes/model", "../recipes/chat.jinja", "../recipes/rows.jsonl")
+    assert cfg.eval.agent_args["env_args"]["data"] == {"test": "../recipes/rows.jsonl",
+                                                       "x": "nowhere"}   # {split: file} too
+    assert cfg.sft.data == "../recipes/rows.jsonl"
     (elsewhere / "model").symlink_to(tiny_model_dir)      # one that exists from cwd stays
     assert load_config("../recipes/r.yaml").model.path == "model"
