@@ -29,8 +29,8 @@ def token_logprobs(model: Any, batch: dict[str, torch.Tensor], temperature: floa
     """`logprobs` [b, T]: log p(input_ids[:, t] | input_ids[:, <t]) / temperature at trainable t
     (`loss_mask`), 0 elsewhere, of a `collate` batch (input_ids, attention_mask, loss_mask, ...).
 
-    Only trainable positions go through `lm_head`, `chunk` tokens at a time; with grad enabled each
-    chunk is recomputed in backward, so peak memory is [chunk, vocab] rather than [tokens, vocab].
+    Only trainable positions go through `lm_head`, `chunk` tokens at a time, recomputed in backward
+    (`_Head`): peak memory [chunk, vocab], not [tokens, vocab].
     `entropy` [b, T]: of the same temperature-scaled distribution at trainable t; `values` [b, T]
     with `value_head` (the critic): of the state before token t, from the detached hidden state.
     MoE models: `batch["routed_experts"]` [b, T, layers, k] (-1 = none), when present, is the
@@ -39,8 +39,8 @@ def token_logprobs(model: Any, batch: dict[str, torch.Tensor], temperature: floa
     loss over the attended tokens of rows with a trainable token (`moe.routing(...).aux_loss`).
     VL models: the rows' `pixel_values` [b, P, D] and `image_grid_thw` [b, I, 3] from `collate`
     are fed with the engine's mRoPE positions; vision tokens are masked as in the engine.
-    `share_context`: a context rows share (a group's prompt) runs once; FSDP must keep the
-    layers unsharded through backward then (`PolicyWorker` does on one rank)."""
+    `share_context`: a context rows share (a group's prompt, a system prompt) runs once; FSDP
+    must keep the layers unsharded through backward then (`PolicyWorker` does on one rank)."""
     input_ids, attention_mask, loss_mask = (batch["input_ids"], batch["attention_mask"],
                                             batch["loss_mask"])
     extra = {}
@@ -61,8 +61,7 @@ def token_logprobs(model: Any, batch: dict[str, torch.Tensor], temperature: floa
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=hidden.device)
     values = None if value_head is None else out.index_put(
         (rows, cols + 1), value_head(h.detach().float()).squeeze(-1))
-    banned = torch.tensor(multimodal.vision_token_ids(model.config), device=h.device,
-                          dtype=torch.long)
+    banned = h.new_tensor(multimodal.vision_token_ids(model.config), dtype=torch.long)
     # `chunk` rows at a time; with none, one empty chunk keeps backward (FSDP's reduce-scatters)
     logp, entropy = (torch.cat(x) for x in zip(*(
         _Head.apply(h[s:s + chunk], targets[s:s + chunk], model.lm_head, banned, temperature)
@@ -126,8 +125,7 @@ def _grouped_eager(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
 
         def part(x: torch.Tensor, b: int) -> torch.Tensor:    # [1, h, b t, d] -> [b, h, t, d]
             return x[0].unflatten(1, (b, -1)).transpose(0, 1)
-        mask = torch.full((q + t, q + t), torch.finfo(query.dtype).min, dtype=query.dtype,
-                          device=query.device).triu(1)[None, None]
+        mask = query.new_full((q + t, q + t), torch.finfo(query.dtype).min).triu(1)[None, None]
         kp, vp = part(key[:, :, :n], u), part(value[:, :, :n], u)
         k, v = (torch.cat([_expand(sel, x), part(y[:, :, n:], B)], 2)
                 for x, y in ((kp, key), (vp, value)))
@@ -184,19 +182,22 @@ def _log_softmax(logits: torch.Tensor, banned: torch.Tensor, temperature: float)
 def _trunk(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
            loss_mask: torch.Tensor, extra: dict, share: bool) -> tuple[int, torch.Tensor]:
     """(q, the last hidden states [b, t - q, H] of input_ids [b, t] from q on). `share`: the
-    context every row has before q (the last position before any trainable token) runs once per
-    distinct row if that saves >= 1/4 of the tokens: under `molt_eager` packed with the right-
-    padded rows into one forward (`_grouped_eager`'s `molt_pack`: one pass through the layers,
-    not two), else as a KV cache expanded to the rows. Otherwise q = 0: the rows as they are."""
+    context before q (the last position before any trainable token) runs once per distinct row,
+    or the prefix all rows have once if that saves more (an SFT batch's system prompt), if it
+    saves >= 1/4 of the tokens: with `molt_eager` packed with the right-padded rows into one
+    forward (`molt_pack`), else as a KV cache expanded to the rows. Else q = 0: the rows as is."""
     B, T = input_ids.shape
     first = torch.where(loss_mask.any(-1), loss_mask.int().argmax(-1), attention_mask.sum(-1))
     q = int(first.min()) - 1                   # hidden[:, q] predicts the first trainable token
     if share := share and q >= 1 and bool(attention_mask[:, :q].all()):
         uniq, inv = torch.unique(input_ids[:, :q], dim=0, return_inverse=True)
+        p = int((input_ids[:, :q] == input_ids[:1, :q]).all(0).cumprod(0).sum())   # all rows'
+        if (B - len(uniq)) * q < (B - 1) * p:
+            uniq, inv, q = input_ids[:1, :p], inv.zero_(), p
     if not share or (B - len(uniq)) * q * 4 < B * T:
         return 0, model.model(input_ids=input_ids, attention_mask=attention_mask,
                               **extra).last_hidden_state
-    sel = torch.nn.functional.one_hot(inv, len(uniq))    # [B, u]: a matmul, as its backward
+    sel = torch.nn.functional.one_hot(inv, len(uniq))   # [B, u]: its matmul's backward sums
     if model.config._attn_implementation == "molt_eager" and (
             attention_mask[:, :-1] >= attention_mask[:, 1:]).all():
         ids = torch.cat([uniq.flatten(), input_ids[:, q:].flatten()])[None]
@@ -213,6 +214,5 @@ def _trunk(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def _expand(sel: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """[u, ...] prompts' keys or values -> [B, ...] rows' by the one-hot sel [B, u] (a matmul:
-    its backward was 4x faster than indexing's on CPU)."""
+    """[u, ...] K or V -> [B, ...] by the one-hot sel [B, u]: a matmul (backward 4x faster)."""
     return (sel.to(x.dtype) @ x.reshape(len(x), -1)).view(len(sel), *x.shape[1:])
