@@ -48,15 +48,17 @@ def _lineage(cfg: Config) -> None:
 
 
 def load(recipe: str | None, overrides: list[str], plugin_names: list[str] = (),
-         blocked: list[str] = (), weights: bool = True) -> tuple[Config, Plugins]:
+         blocked: list[str] = (), weights: bool = True, agent: bool = True
+         ) -> tuple[Config, Plugins]:
     """Plugins, then config (recipe < --plugin selections < key=value), then cross-checks;
-    `weights` False: missing model weights are a warning (`molt config`), not an error."""
+    `weights` False: missing model weights are a warning (`molt config`), not an error; `agent`
+    False (`molt sft`): a recipe without agent.args needs none."""
     if bad := [b for b in blocked if not b.startswith("no:")]:
         raise PluginError(f"-p takes no:NAME to block a plugin (got {bad[0]!r})")
     plugins = build_plugins(plugin_names, blocked)
     cfg = load_config(recipe, plugins.selection_overrides() + list(overrides),
                       plugins.registry["config_section"], _lineage)
-    check_against_plugins(cfg, plugins)
+    check_against_plugins(cfg, plugins, agent or bool(cfg.agent.args))
     if not any(any(Path(cfg.model.path).glob(p)) for p in ("*.safetensors", "*.bin")):
         problem = (f"model.path '{cfg.model.path}' has no weights (*.safetensors or "
                    "pytorch_model*.bin): point it at a complete HF model directory")
@@ -67,7 +69,7 @@ def load(recipe: str | None, overrides: list[str], plugin_names: list[str] = (),
     return cfg, plugins
 
 
-def check_against_plugins(cfg: Config, plugins: Plugins) -> None:
+def check_against_plugins(cfg: Config, plugins: Plugins, agent: bool = True) -> None:
     """Every named component exists and accepts the arguments the recipe passes it."""
     for kind, (_, key) in KINDS.items():
         if key:
@@ -78,7 +80,8 @@ def check_against_plugins(cfg: Config, plugins: Plugins) -> None:
     a = cfg.algorithm
     plugins.check_args("algorithm.estimator_args", "estimator", a.estimator, a.estimator_args)
     plugins.check_args("algorithm.loss_args", "loss", a.loss, a.loss_args)
-    plugins.check_args("agent.args", "agent", cfg.agent.name, cfg.agent.args)
+    if agent:
+        plugins.check_args("agent.args", "agent", cfg.agent.name, cfg.agent.args)
     plugins.check_args("engine.args", "engine", cfg.engine.name, cfg.engine.args)
     clip = sorted(k for k in a.loss_args if "clip" in k)
     if clip and cfg.trainer.mini_batches * cfg.trainer.epochs == 1:

@@ -218,7 +218,7 @@ def start(recipe: str | None, overrides: list[str], plugin_names: list[str] = ()
     from molt_core.run.metrics import make_run_dir
     if resume:
         recipe, overrides = resume_recipe(resume, recipe, overrides)
-    cfg, plugins = load(recipe, overrides, plugin_names, blocked)
+    cfg, plugins = load(recipe, overrides, plugin_names, blocked, agent=False)
     run_dir, ckpt = prepare_resume(resume, checkpoint, cfg, list(argv)) if resume else (
         make_run_dir(cfg.out_dir, cfg.name, to_dict(cfg), plugins.info, cfg.seed, list(argv)), None)
     print(f"run dir: {run_dir}", file=sys.stderr)

@@ -201,3 +201,18 @@ def test_resume_is_bit_identical(tiny_recipe, tmp_path):
     assert rows2 == rows and len(rows) == 7
     assert weights2.keys() == weights.keys() and all(torch.equal(weights2[k], weights[k])
                                                      for k in weights)
+
+
+def test_a_recipe_with_no_agent_section_trains(tiny_model_dir, tmp_path):
+    """`molt sft` needs no agent (it said "agent 'gym' needs env"); `molt run` on the same recipe
+    still asks for one."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {n}.", "completion": f"{n}"}) + "\n"
+                            for n in range(8)))
+    recipe = tmp_path / "sft.yaml"
+    recipe.write_text(f"model: {{path: {tiny_model_dir}}}\nsft: {{data: {data}, steps: 1, "
+                      f"batch_size: 4}}\nout_dir: {tmp_path / 'runs'}\n")
+    run_dir, history = start(str(recipe), [], progress=False)
+    assert len([h for h in history if "train/loss" in h]) == 1 and (run_dir / "final").is_dir()
+    with pytest.raises(ConfigError, match="agent 'gym' .* needs env"):
+        run_start(str(recipe), [], progress=False)

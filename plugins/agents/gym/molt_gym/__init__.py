@@ -118,7 +118,7 @@ def molt_agents() -> dict:
 
 @hookimpl
 def molt_configure(cfg: Any, plugins: Any) -> None:
-    if cfg.agent.name == "gym":     # an unknown env or bad env_args: found before anything starts
+    if cfg.agent.name == "gym" and cfg.agent.args:  # unknown env, bad env_args: before any start
         a = cfg.agent.args
         plugins.check_args("agent.args.env_args", "env", a["env"], a.get("env_args") or {})
         if plugins.get("env", a["env"]) is Dataset:     # its files and reward functions load
