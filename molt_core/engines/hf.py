@@ -1,8 +1,7 @@
 """Embedded rollout engine: an HF causal LM and Molt's own batched KV-cache decode loop (why,
 re-prefill after a weight update, VL, MoE: docs/scaling.md, "The hf engine"). A background task
 decodes same-sampling waves on the loop thread, so `pause`/`update_weights` land between steps.
-LoRA adapters (`trainer.lora.sync: adapter`, `_lora_name`) are kept apart from the base weights,
-up to `max_adapters` of them, and applied unmerged per row: `sampling["adapter"]` names one."""
+LoRA adapters (`trainer.lora.sync: adapter`): `hf_lora`; `sampling["adapter"]` names one."""
 
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from molt_core import moe, multimodal, weight_sync
 from molt_core.engines import SAMPLING_KEYS, Requests, check_sampling, default_stop_ids
+from molt_core.engines.hf_lora import Adapters, lora_name
 from molt_core.trajectory import Completion, ImageInput
 
 __all__ = ["HFEngine", "SAMPLING_KEYS"]
@@ -40,6 +40,7 @@ class _Request:
     finish_reason: str | None = None
     rng: torch.Generator | None = None   # own seed: shares no wave or draw with the engine stream
     adapter: str | None = None           # None: the policy's adapter if loaded, else the base
+    pin: dict | None = None              # the adapter version it decodes on (hf_lora)
 
     def key(self) -> tuple:
         return (*sorted(self.sampling.items()), tuple(sorted(self.stop_ids)), self.rng is None)
@@ -50,7 +51,7 @@ class HFEngine:
 
     def __init__(self, model_path: str, *, dtype: str = "float32", max_batch_size: int = 256,
                  seed: int = 0, num_threads: int = 1, device: str = "cpu",
-                 max_adapters: int = 4) -> None:
+                 max_adapters: int = 4, keep_versions: bool = False) -> None:
         torch.set_num_threads(num_threads)
         self.device = torch.device(device)
         # requires_grad stays (compute runs under no_grad): frozen bf16 made prefill 2.2x slower
@@ -80,9 +81,8 @@ class HFEngine:
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         self._canonical = {id(p): n for n, p in self.model.named_parameters()}
         self._version = self._base_version = 0
-        self.max_adapters, self._adapters, self._groups = max_adapters, {}, []
-        self._linears = {n: m for n, m in self.model.named_modules()
-                         if isinstance(m, torch.nn.Linear)}
+        self.lora = Adapters(self.model, self.device, max_adapters, keep_versions)
+        self._wave: list[_Request] = []          # the rows decoding now
         self._weights_epoch = 0                 # bumps on every finished update
         self._update_version: int | None = None  # set while an update is in progress
         self._updated: set[int] = set()          # id() of parameters assigned in this update
@@ -92,7 +92,7 @@ class HFEngine:
         self._loop_task: asyncio.Task | None = None
         self._requests = Requests()
         self._stats = {"requests": 0, "tokens_generated": 0, "decode_steps": 0, "batches": 0,
-                       "prefills": 0, "prefill_tokens": 0, "weight_updates": 0,
+                       "prefills": 0, "prefill_tokens": 0, "reprefills": 0, "weight_updates": 0,
                        "max_adapters": max_adapters}
 
     async def generate(self, prompt_ids: list[int], sampling: dict,
@@ -122,9 +122,10 @@ class HFEngine:
         """Check and queue one request; its future gets the completion (no task per request).
         `sampling["seed"]` (optional): the request samples from a generator of its own."""
         seed = (sampling := dict(sampling)).pop("seed", None)
-        if (adapter := sampling.pop("adapter", None)) not in (None, "base", *self._adapters):
+        if (adapter := sampling.pop("adapter", None)) not in (None, "base", *self.lora.latest):
             raise ValueError(f"unknown adapter {adapter!r}: this engine holds "
-                             f"{sorted(self._adapters)} and 'base' (the model without one)")
+                             f"{sorted(self.lora.latest)} and 'base' (the model without one); "
+                             f"name one of them or push it first (tensors '{adapter}/...')")
         sampling, stop = check_sampling(sampling)
         if images and self._image_id is None:
             raise ValueError("this engine's model takes no images (not a VL checkpoint)")
@@ -166,14 +167,18 @@ class HFEngine:
         tensors, `_lora_name`, closes an update of nothing else: decoding goes on)."""
         self._bind_loop()
         if self._update_version is None:
-            self._update_version, self._updated, self._sums, self._staged = version, set(), {}, {}
+            self._update_version, self._updated, self._sums = version, set(), {}
+            self.lora.staged = {}
         elif version != self._update_version:
             raise RuntimeError(f"weight bucket for version {version} arrived while the update to "
                                f"version {self._update_version} is unfinished")
-        lora = [(n, t) for n, t in named_tensors if _lora_name(n)]
-        if lora:
-            self._stage(lora, version)
-            named_tensors = [(n, t) for n, t in named_tensors if not _lora_name(n)]
+        if lora := [(n, t) for n, t in named_tensors if lora_name(n)]:
+            try:
+                self._sums.update(self.lora.stage(lora, version))
+            except ValueError:
+                self._close_if_empty()
+                raise
+            named_tensors = [(n, t) for n, t in named_tensors if not lora_name(n)]
         if named_tensors:
             self._can_run.clear()
         for name, tensor in named_tensors:
@@ -225,93 +230,36 @@ class HFEngine:
                                f"{self._update_version}")
         self._bind_loop()
         missing = [n for i, n in self._canonical.items() if i not in self._updated]
-        if missing and (self._updated or not self._staged):
+        if missing and (self._updated or not self.lora.staged):
             raise RuntimeError(f"weight update to version {version} did not assign "
                                f"{len(missing)} parameter(s): {', '.join(missing)}")
-        for aid, got in list(self._staged.items()):
-            self._install(aid, got, version)
+        evicted = False      # keep_versions: rows go on with theirs unless evicted
+        for aid in list(self.lora.staged):
+            try:
+                evicted |= self.lora.install(aid, version, [r.pin for r in self._wave])
+            except ValueError:
+                self._close_if_empty()
+                raise
         self._version, self._update_version = version, None
         self._base_version = version if self._updated else self._base_version
-        self._weights_epoch += 1
+        self._weights_epoch += not self.lora.keep or bool(self._updated) or evicted
         self._stats["weight_updates"] += 1
         if not self._paused:
             self._can_run.set()
         return self._sums
 
-    def _stage(self, lora: list[tuple[str, torch.Tensor]], version: int) -> None:
-        """Check LoRA tensors against the base and keep copies until `finish_weight_update`."""
-        for name, t in lora:
-            aid, mod, part = _lora_name(name)
-            lin = self._linears.get(mod)
-            fits = t.is_floating_point() and (t.numel() == 1 if part == "s" else lin is not None
-                                               and t.ndim == 2 and t.shape[part == "A"] == (
-                                                   lin.out_features, lin.in_features)[part == "A"])
-            if not fits:
-                self._drop_staged(aid)
-                raise ValueError(f"adapter {aid!r} (version {version}): '{name}' {list(t.shape)} "
-                                 f"does not fit this engine's base model: "
-                                 f"{'no Linear ' + repr(mod) if lin is None else lin}; was the "
-                                 "adapter trained on another base model (model.path)?")
-        for name, t in lora:
-            self._staged.setdefault(_lora_name(name)[0], {})[name] = t.clone()
-        self._sums.update(zip([n for n, _ in lora], weight_sync.checksums(
-            [(n, self._staged[_lora_name(n)[0]][n]) for n, _ in lora])))
-
-    def _drop_staged(self, aid: str) -> None:
+    def _close_if_empty(self) -> None:
         """A bad adapter leaves the update; one with nothing else left is closed."""
-        self._staged.pop(aid, None)
-        if not self._staged and not self._updated:
+        if not self.lora.staged and not self._updated:
             self._update_version = None
             if not self._paused:
                 self._can_run.set()
-
-    def _install(self, aid: str, got: dict[str, torch.Tensor], version: int) -> None:
-        parts = {_lora_name(n)[1:]: t for n, t in got.items()}      # (module, A|B|s) -> tensor
-        mods = sorted({m for m, k in parts if k != "s"})
-        bad = [m for m in mods if (m, "A") not in parts or (m, "B") not in parts
-               or parts[m, "A"].shape[0] != parts[m, "B"].shape[1]]
-        if problem := ("no lora_scaling" if ("", "s") not in parts else
-                       f"'{bad[0]}' lacks lora_A or lora_B, or their ranks differ" if bad else
-                       f"this engine holds {self.max_adapters} adapters already (engine.args."
-                       "max_adapters): raise it" if aid not in self._adapters
-                       and len(self._adapters) >= self.max_adapters else ""):
-            self._drop_staged(aid)
-            raise ValueError(f"adapter {aid!r} (version {version}): {problem}")
-        for m in mods:
-            if "molt_adapted" not in (lin := self._linears[m]).__dict__:
-                lin.molt_adapted, lin.forward = True, partial(self._adapted, m, lin.forward)
-        self._adapters[aid] = {"named": got, "s": float(parts["", "s"]), "version": version,
-                               "mods": {m: (parts[m, "A"], parts[m, "B"]) for m in mods}}
-
-    def _adapted(self, mod: str, base: Any, x: torch.Tensor) -> torch.Tensor:
-        """x W^T + s (x A^T) B^T for the rows of each adapter of this forward (`_groups`), as
-        PEFT's forward computes it (in A's dtype, the trainer's fp32 masters)."""
-        y = base(x)
-        for aid, rows in self._groups:
-            ad = self._adapters[aid]
-            if (ab := ad["mods"].get(mod)) is not None:
-                xs = x if rows is None else x[rows]
-                d = torch.nn.functional.linear(torch.nn.functional.linear(
-                    xs.to(ab[0].dtype), ab[0]), ab[1]) * ad["s"]
-                y = ((y + d).to(y.dtype) if rows is None else
-                     y.index_copy(0, rows, (y[rows] + d).to(y.dtype)))
-        return y
-
-    def _group_rows(self, adapters: list[str | None]) -> list[tuple[str, torch.Tensor | None]]:
-        """(adapter, its rows; None: all) of a batch, the base's rows left out."""
-        use = [self._resolve(a) for a in adapters]
-        return [(a, None if len(set(use)) == 1 else torch.tensor(
-            [i for i, u in enumerate(use) if u == a], device=self.device))
-            for a in dict.fromkeys(use) if a != "base"]
-
-    def _resolve(self, adapter: str | None) -> str:
-        return adapter or (POLICY if POLICY in self._adapters else "base")
 
     async def weight_checksums(self) -> dict[str, int]:
         """`weight_sync.checksums` of every parameter (and adapter tensor) as it is now (names a
         corrupted one)."""
         named = [(n, self._params[n]) for n in self._canonical.values()]
-        named += [nt for ad in self._adapters.values() for nt in ad["named"].items()]
+        named += [nt for ad in self.lora.latest.values() for nt in ad["named"].items()]
         return dict(zip([n for n, _ in named], weight_sync.checksums(named)))
 
     async def score(self, token_ids: list[int], adapter: str | None = None) -> list[float]:
@@ -319,7 +267,7 @@ class HFEngine:
         default the policy's): the weight-sync canary (`EngineRestarts.check_canary`); the
         sampling RNG is untouched."""
         ids = torch.tensor([token_ids], device=self.device)
-        self._groups = self._group_rows([adapter])
+        self.lora.groups = self.lora.group([self.lora.resolve(adapter)])
         with torch.no_grad(), moe.routing(self.model, mode="off"):
             logits = self.model(input_ids=ids).logits[0, :-1].float()
         if self._banned:
@@ -338,7 +286,7 @@ class HFEngine:
 
     async def stats(self) -> dict:
         return {**self._stats, "version": self._version, "paused": self._paused,
-                "adapters": {a: ad["version"] for a, ad in self._adapters.items()},
+                **self.lora.stats([r.pin for r in self._wave]),
                 "pending": len(self._pending), "updating": self._update_version is not None}
 
     def _bind_loop(self) -> None:
@@ -379,6 +327,7 @@ class HFEngine:
                 for r in wave:
                     if not r.future.done():
                         r.future.set_exception(e)
+            self._wave = []
 
     async def _run_wave(self, wave: list[_Request]) -> None:
         self._stats["batches"] += 1
@@ -391,8 +340,13 @@ class HFEngine:
                 # Fresh wave or new weights: (re)build the KV cache from prompt + tokens so far.
                 if not (rows := [r for r in wave if r.finish_reason is None]):
                     return
+                for r in rows:      # keep_versions: a live pin stays
+                    if r.pin is None or not self.lora.keep or not self.lora.live(r.pin):
+                        r.pin = self.lora.resolve(r.adapter)
+                self._wave, self._stats["reprefills"] = rows, self._stats["reprefills"] + any(
+                    r.tokens for r in rows)
                 logits, cache, mask, pos, seen, routed = self._prefill(rows)
-                epoch, groups = self._weights_epoch, self._group_rows([r.adapter for r in rows])
+                epoch, groups = self._weights_epoch, self.lora.group([r.pin for r in rows])
                 if routed is not None:   # [B, L, layers, k]: each token fed so far (left pad)
                     for i, r in enumerate(rows):
                         seq = routed[i, routed.shape[1] - len(r.prompt) - len(r.tokens):].tolist()
@@ -413,8 +367,7 @@ class HFEngine:
                     continue
                 r.tokens.append(t)
                 r.logprobs.append(lp)
-                r.versions.append(self._adapters[a]["version"] if (a := self._resolve(r.adapter))
-                                  != "base" else self._base_version)
+                r.versions.append(r.pin.get("version", self._base_version))
                 r.routed.append(None)
                 self._stats["tokens_generated"] += 1
                 if t in r.stop_ids:
@@ -440,7 +393,7 @@ class HFEngine:
     @torch.no_grad()
     def _prefill(self, rows: list[_Request]) -> tuple:
         # A group's rows share their prompt: each distinct text-only sequence is prefilled once.
-        keys = [(tuple(r.prompt + r.tokens), id(r) if r.images else 0, r.adapter) for r in rows]
+        keys = [(tuple(r.prompt + r.tokens), id(r) if r.images else 0, id(r.pin)) for r in rows]
         first: dict = {}
         inv = torch.tensor([first.setdefault(k, len(first)) for k in keys], device=self.device)
         seqs = [torch.tensor(k[0]) for k in first]
@@ -456,7 +409,7 @@ class HFEngine:
             extra = multimodal.model_inputs(self.model, ids, mask, pixels, grid)
             position_ids = extra.pop("position_ids")
         cache = DynamicCache(config=self.model.config)
-        self._groups = self._group_rows([k[2] for k in first])
+        self.lora.groups = self.lora.group([rows[keys.index(k)].pin for k in first])
         with moe.routing(self.model, mode="off") as routing:
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
                              past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
@@ -475,7 +428,7 @@ class HFEngine:
               pos: torch.Tensor, groups: list) -> tuple[torch.Tensor, torch.Tensor | None]:
         # a dense model skips the routing context (its walk over the modules: ~0.7 ms a step)
         moe_ids = moe.routing(self.model, mode="off") if self._moe_sentinel else nullcontext()
-        self._groups = groups
+        self.lora.groups = groups
         with moe_ids as routing:
             out = self.model(input_ids=next_ids, attention_mask=mask, position_ids=pos,
                              past_key_values=cache, use_cache=True)
@@ -510,22 +463,6 @@ class HFEngine:
         tokens = torch.stack([_multinomial(p, g or self.generator) for p, g in
                               zip(filtered.softmax(-1), rngs or [None] * len(logits))])
         return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
-
-
-POLICY = "policy"          # the adapter the run's own pushes load
-
-
-def _lora_name(name: str) -> tuple[str, str, str] | None:
-    """A LoRA tensor's wire name, `[ID/]MODULE.lora_A.weight` (A [r, in]), `.lora_B.weight`
-    (B [out, r]) or `[ID/]lora_scaling` (s), as (ID, default POLICY; MODULE or ""; A|B|s); a
-    base weight's: None."""
-    aid, _, rest = name.rpartition("/")
-    if rest == "lora_scaling":
-        return aid or POLICY, "", "s"
-    for k in "AB":
-        if rest.endswith(f".lora_{k}.weight"):
-            return aid or POLICY, rest[:-14], k
-    return None
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
