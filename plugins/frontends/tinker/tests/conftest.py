@@ -100,10 +100,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 @pytest.fixture(scope="session")
-def bpe_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def bpe_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of the BPE server's recipe; its run directories go under runs/."""
+    return tmp_path_factory.mktemp("tinker-bpe")
+
+
+@pytest.fixture(scope="session")
+def bpe_server(bpe_root: Path) -> Iterator[str]:
     """A second server on a tiny byte-level-BPE Qwen3 (any text, newlines and capitals included,
     and Qwen3's special tokens): the model the cookbook's `qwen3` renderer tokenises for."""
-    root = tmp_path_factory.mktemp("tinker-bpe")
-    model = build_tiny_model(root / "bpe", "qwen3")
-    with serve(write_recipe(root, model)) as url:
+    model = build_tiny_model(bpe_root / "bpe", "qwen3")
+    with serve(write_recipe(bpe_root, model)) as url:
         yield url

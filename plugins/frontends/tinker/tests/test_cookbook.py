@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,11 +31,14 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def test_cookbook_supervised_train_main_lowers_the_nll(bpe_server: str, tmp_path: Path):
+def test_cookbook_supervised_train_main_lowers_the_nll(bpe_server: str, bpe_root: Path,
+                                                       tmp_path: Path):
     """The cookbook's SL trainer end to end: it creates the LoRA client, renders the file with
     the qwen3 renderer (weights on the assistant turns), runs forward_backward(cross_entropy) +
     optim_step per batch, evaluates a held-out split, writes metrics.jsonl and saves the final
-    state and sampler weights through the server; train_mean_nll falls."""
+    state and sampler weights through the server; train_mean_nll falls. On the server's side the
+    training client got a Molt run directory whose metrics.jsonl has a row per optim_step, and
+    `molt report` plots it."""
     base = _base()
     data = tmp_path / "conversations.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
@@ -56,6 +61,14 @@ def test_cookbook_supervised_train_main_lowers_the_nll(bpe_server: str, tmp_path
     # the same batch each epoch: without training the NLL would repeat exactly (ln 512 = 6.24 at
     # random init); LoRA on this 2-layer random model plateaus near 5.6 (measured 6.24 -> 5.66)
     assert nll[-1] < 0.95 * nll[0] and max(nll[1:]) < nll[0], nll
+    # the server's run directory for this training client: Molt's sinks, one row per step
+    (run,) = [d for d in (bpe_root / "runs").iterdir() if (d / "tinker.json").exists()]
+    steps = [r for r in _rows(run / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(len(nll))), steps
+    assert all(r["train/tokens"] > 0 for r in steps), steps
+    out = subprocess.run([sys.executable, "-m", "molt_tools", "report", str(run)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and list((run / "report").glob("*.png")), out.stderr[-2000:]
     print("cookbook SL train_mean_nll", [round(x, 3) for x in nll], "keys", sorted(rows[0]))
     test_nll = [r["test/nll"] for r in rows if "test/nll" in r]
     assert test_nll, rows
