@@ -6,7 +6,8 @@ LoRA adapters (`trainer.lora.sync: adapter`): `hf_lora`; `sampling["adapter"]` n
 from __future__ import annotations
 
 import asyncio
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -173,11 +174,8 @@ class HFEngine:
             raise RuntimeError(f"weight bucket for version {version} arrived while the update to "
                                f"version {self._update_version} is unfinished")
         if lora := [(n, t) for n, t in named_tensors if lora_name(n)]:
-            try:
+            with self._closing_on_error():
                 self._sums.update(self.lora.stage(lora, version))
-            except ValueError:
-                self._close_if_empty()
-                raise
             named_tensors = [(n, t) for n, t in named_tensors if not lora_name(n)]
         if named_tensors:
             self._can_run.clear()
@@ -233,13 +231,9 @@ class HFEngine:
         if missing and (self._updated or not self.lora.staged):
             raise RuntimeError(f"weight update to version {version} did not assign "
                                f"{len(missing)} parameter(s): {', '.join(missing)}")
-        evicted = False      # keep_versions: rows go on with theirs unless evicted
-        for aid in list(self.lora.staged):
-            try:
-                evicted |= self.lora.install(aid, version, [r.pin for r in self._wave])
-            except ValueError:
-                self._close_if_empty()
-                raise
+        with self._closing_on_error():  # keep_versions: rows go on with theirs unless evicted
+            evicted = any([self.lora.install(aid, version, [r.pin for r in self._wave])
+                           for aid in list(self.lora.staged)])
         self._version, self._update_version = version, None
         self._base_version = version if self._updated else self._base_version
         self._weights_epoch += not self.lora.keep or bool(self._updated) or evicted
@@ -248,12 +242,15 @@ class HFEngine:
             self._can_run.set()
         return self._sums
 
-    def _close_if_empty(self) -> None:
+    @contextmanager
+    def _closing_on_error(self) -> Iterator[None]:
         """A bad adapter leaves the update; one with nothing else left is closed."""
-        if not self.lora.staged and not self._updated:
-            self._update_version = None
-            if not self._paused:
-                self._can_run.set()
+        try:
+            yield
+        except ValueError:
+            if not self.lora.staged and not self._updated:
+                self._update_version, _ = None, self._paused or self._can_run.set()
+            raise
 
     async def weight_checksums(self) -> dict[str, int]:
         """`weight_sync.checksums` of every parameter (and adapter tensor) as it is now (names a

@@ -1,10 +1,6 @@
-"""The hf engine's LoRA adapters (`trainer.lora.sync: adapter`): kept apart from the base weights
-and applied unmerged per row, y = x W^T + s (x A^T) B^T (`groups`: each adapter version's rows of
-the forward running now). A request pins the newest version of its adapter when it starts; at a
-push of a new one, `keep_versions` (engine.args) lets its rows finish on the pinned version (no
-re-prefill; each token stamped with it), else they re-prefill on the new one. Live versions (the
-newest of each adapter + older ones rows still decode on) never exceed `max_adapters`: the
-oldest is evicted, its rows re-prefilled on the newest (`adapter_evictions`)."""
+"""The hf engine's LoRA adapters (`trainer.lora.sync: adapter`), applied unmerged per row; a row
+pins its adapter's newest version at its start and, with `keep_versions`, ends on it across pushes
+(docs/scaling.md, "LoRA adapters"); live versions <= `max_adapters`, the oldest evicted."""
 
 from __future__ import annotations
 
