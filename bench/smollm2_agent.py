@@ -1,21 +1,21 @@
 """The agentic learning run on a real model: SmolLM2-135M-Instruct learns to use a calculator tool
 (recipes/cpu/smollm2_agent.yaml, examples/calculator_agent.py on the stock OpenAI SDK).
 
-    python bench/smollm2_agent.py imprint                  (writes .cache/smollm2-135m-agent)
-    python bench/smollm2_agent.py [--base] [key=value ...] (needs make pretrained)
+    python bench/smollm2_agent.py [--base] [--demos 32] [key=value ...] [--sft k=v ...]
+                                  (needs make pretrained)
 
-The base model never calls the tool, so the recipe starts from a cold-start imprint of it
-(`imprint`, run first when the directory is missing): a short SFT on calculator transcripts for
-additions and subtractions (not the task's multiplications), one question in four answered by a
-call, the rest in its head, so that the call's format is known and its use is rare (~1/5 of
-sampled multiplications, none greedy); RL has to make it the rule. `--base` also measures the
-held-out episodes on the model before the imprint.
+The base model never calls the tool, so RL starts from a cold start made with `molt` commands
+(docs/agents.md, "Cold start"): `molt rollout recipes/cpu/smollm2_agent_sft.yaml --policy scripted
+--keep 'reward>=1' --sft-out DEMOS` (the agent's oracle, CalculatorAgent.policy), `molt sft` on
+them, then the recipe with `model.init_from=SFT_RUN_DIR`. `--base` also measures the held-out
+episodes on the model before the cold start.
 
-Prints start and end (UTC), minutes of training (evaluations excluded), held-out greedy success at
-every evaluation, the held-out episodes' tool use before and after (`held_out_episodes`: the agent
-on the base model and on the trained one, greedy, through the chat server: tool called, tool
-called with the right expression, answer right, reply well-formed), the step-time breakdown and
-the trainer's peak memory. `uptime`'s load is printed with it: the box may be shared.
+Prints start and end (UTC), the cold start's demos kept and SFT minutes (wall and CPU), minutes
+of training (evaluations excluded), held-out greedy success at every evaluation, the held-out
+episodes' tool use before and after (`held_out_episodes`: the agent on the SFT model and on the
+trained one, greedy, through the chat server: tool called, tool called with the right
+expression, answer right, reply well-formed), the step-time breakdown and the trainer's peak
+memory. `uptime`'s load is printed with it: the box may be shared.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import asyncio
 import datetime
 import json
 import os
-import random
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,53 +35,41 @@ from typing import Any
 
 ROOT = Path(__file__).parents[1]
 RECIPE = str(ROOT / "recipes/cpu/smollm2_agent.yaml")
+SFT_RECIPE = str(ROOT / "recipes/cpu/smollm2_agent_sft.yaml")
 PLUGIN = str(ROOT / "examples/calculator_agent.py")
 BASE = ROOT / ".cache/smollm2-135m-instruct"
-AGENT_MODEL = ROOT / ".cache/smollm2-135m-agent"
+MOLT = str(Path(sys.executable).with_name("molt"))
 
 
-def imprint_pairs(tok: Any, questions: int = 32, call_every: int = 4,
-                  seed: int = 0) -> list[tuple[str, str]]:
-    """(prompt, reply) text pairs for `a + b` / `a - b` questions (a 3-digit, b 2-digit): every
-    `call_every`-th one is a calculator call, then the answer after the tool's result; the
-    others are answered in the head (correctly: it is the format, not wrong sums, being taught)."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    from calculator_agent import TOOLS
-
-    def render(msgs: list[dict]) -> str:
-        return tok.apply_chat_template(msgs, tools=TOOLS, tokenize=False,
-                                       add_generation_prompt=True)
-    rng, pairs = random.Random(seed), []
-    for q in range(questions):
-        a, b, op = rng.randint(100, 999), rng.randint(10, 99), rng.choice("+-")
-        expr, value = f"{a} {op} {b}", a + b if op == "+" else a - b
-        msgs = [{"role": "user", "content": f"What is {expr}?"}]
-        if q % call_every == 0:
-            args = json.dumps({"expression": expr})
-            pairs.append((render(msgs), f'<tool_call>{{"name": "calculator", "arguments": '
-                                        f'{args}}}</tool_call><|im_end|>'))
-            msgs += [{"role": "assistant", "content": "", "tool_calls": [{
-                         "id": "c", "type": "function",
-                         "function": {"name": "calculator", "arguments": args}}]},
-                     {"role": "tool", "tool_call_id": "c", "content": str(value)}]
-        pairs.append((render(msgs), f"{expr} = {value}<|im_end|>"))
-    return pairs
-
-
-def build_agent_model(out_dir: Path = AGENT_MODEL, base: Path = BASE) -> Path:
-    """The recipe's starting policy: `base` after 20 SFT steps on `imprint_pairs` (full
-    fine-tuning, batch 8, lr 3e-5 decayed to 0; ~16 CPU-minutes)."""
-    from molt_core.multimodal import load_tokenizer
-    from molt_tools.imprint import imprint
-
-    if not (base / "config.json").exists():
-        raise FileNotFoundError(f"{base} is missing: run `make pretrained` first")
-    tok = load_tokenizer(str(base), str(ROOT / "recipes/templates/smollm2_tools.jinja"))
+def molt(*args: str) -> tuple[str, str, dict]:
+    """`molt ARGS` (stdout, stderr, {wall_min, cpu_min}: os.wait4's rusage of that process)."""
     t0 = time.perf_counter()
-    imprint(base, out_dir, imprint_pairs(tok), steps=20, lr=3e-5, tol=None, batch_size=8,
-            clip=1.0, decay=True, threads=2)
-    print(f"imprinted {out_dir} in {time.perf_counter() - t0:.0f} s, load {os.getloadavg()}")
-    return out_dir
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([MOLT, *args, f"--plugin={PLUGIN}"], cwd=ROOT, stdout=out,
+                                stderr=err)
+        _, status, ru = os.wait4(proc.pid, 0)
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if os.waitstatus_to_exitcode(status):
+        sys.exit(f"molt {' '.join(args)} failed:\n{stderr[-3000:]}")
+    return stdout, stderr, {"wall_min": round((time.perf_counter() - t0) / 60, 2),
+                            "cpu_min": round((ru.ru_utime + ru.ru_stime) / 60, 2)}
+
+
+def cold_start(out_dir: Path, demos: int, sft_overrides: list[str]) -> tuple[Path, dict]:
+    """Demonstrations from the scripted oracle, then `molt sft` on them: (SFT run dir, numbers)."""
+    data = out_dir / "demos.jsonl"
+    out, _, t_demos = molt("rollout", SFT_RECIPE, "-n", str(demos), "--policy", "scripted",
+                           "--keep", "reward>=1", "--sft-out", str(data), "--quiet",
+                           f"out_dir={out_dir}")
+    kept = re.search(r"kept (\d+) of (\d+)", out)[0]
+    out, err, t_sft = molt("sft", SFT_RECIPE, f"sft.data={data}", "--no-progress",
+                           f"out_dir={out_dir}", *sft_overrides)
+    loss = re.search(r"eval/loss: (\S+ -> \S+)", out)
+    numbers = {"demos_kept": kept, "demos": t_demos, "sft": t_sft,
+               "sft_eval_loss": loss[1] if loss else None, "load": os.getloadavg()}
+    print("cold start:", json.dumps(numbers), flush=True)
+    return Path(re.search(r"run dir: (\S+)", err)[1]), numbers
 
 
 def sampled_tool_use(run_dir: Path) -> list[float]:
@@ -137,23 +126,32 @@ def main() -> None:
     from molt_core.run.metrics import configure_logging
     from molt_core.trainer import train
 
-    args = sys.argv[1:]
-    if args == ["imprint"]:
-        build_agent_model()
-        return
-    overrides = [a for a in args if a != "--base"]
+    args, demos, sft_overrides = sys.argv[1:], 32, []
+    if "--demos" in args:
+        i = args.index("--demos")
+        demos, args = int(args[i + 1]), args[:i] + args[i + 2:]
+    if "--sft" in args:        # --sft k=v ... up to the next flag or the end
+        i = args.index("--sft")
+        j = next((k for k in range(i + 1, len(args)) if args[k].startswith("--")), len(args))
+        sft_overrides, args = args[i + 1:j], args[:i] + args[j:]
+    if not (BASE / "config.json").exists():
+        sys.exit(f"{BASE} is missing: run `make pretrained` first")
     configure_logging()
+    work = Path(tempfile.mkdtemp(prefix="molt-agent-bench-"))
+    overrides = [a for a in args if a != "--base"]
+    cold = None           # model.init_from=RUN_DIR given: that run is the cold start
+    if not any(a.startswith("model.init_from=") for a in overrides):
+        sft_dir, cold = cold_start(work, demos, sft_overrides)
+        overrides.append(f"model.init_from={sft_dir}")
     cfg, plugins = load(RECIPE, overrides, [PLUGIN])
-    if Path(cfg.model.path).resolve() == AGENT_MODEL and not (AGENT_MODEL / "config.json").exists():
-        build_agent_model()
     n = cfg.eval.prompts
     if "--base" in args:
         base = held_out_episodes(str(BASE), cfg, n)
-        print("held-out, model before the imprint:", json.dumps(base), flush=True)
+        print("held-out, model before the cold start:", json.dumps(base), flush=True)
     before = held_out_episodes(cfg.model.path, cfg, n)
     print("held-out before:", json.dumps(before), "load:", os.getloadavg(), flush=True)
     start = datetime.datetime.now(datetime.timezone.utc)
-    with tempfile.TemporaryDirectory(prefix="molt-agent-bench-") as run_dir:
+    with tempfile.TemporaryDirectory(prefix="run-", dir=work) as run_dir:
         t0 = time.perf_counter()
         history = train(cfg, plugins, Path(run_dir), progress=False)
         wall = time.perf_counter() - t0
@@ -168,7 +166,7 @@ def main() -> None:
              "optimizer": "train/optim_s", "weight sync": "time/weight_sync_s"}
     print(json.dumps({
         "start": start.isoformat(timespec="seconds"), "end": end.isoformat(timespec="seconds"),
-        "engine": cfg.engine.name, "steps": len(steps), "lr": cfg.trainer.lr,
+        "cold_start": cold, "engine": cfg.engine.name, "steps": len(steps), "lr": cfg.trainer.lr,
         "train_minutes": round(train_s / 60, 2),
         "eval_minutes": round(sum(e["eval/time_s"] for e in evals) / 60, 2),
         "wall_minutes": round(wall / 60, 2), "mean_step_s": round(step, 2),

@@ -4,7 +4,9 @@ SmolLM2-135M-Instruct cannot multiply a 3-digit by a 2-digit number in its head;
 only has to call it and copy the result. Every episode takes at least two model turns when the tool
 is used (the call; the answer after the tool's result). Reward 1 if the final reply's last number
 is the product. Problems are split by a hash of the operands: `split: test` (a fifth of them) is
-never trained on. The recipe: recipes/cpu/smollm2_agent.yaml; `--plugin ./examples/calculator_agent.py`.
+never trained on. `CalculatorAgent.policy` is a scripted oracle (the cold start's demonstrations:
+recipes/cpu/smollm2_agent_sft.yaml). The recipes: recipes/cpu/smollm2_agent_sft.yaml, then
+recipes/cpu/smollm2_agent.yaml; `--plugin ./examples/calculator_agent.py`.
 """
 
 from __future__ import annotations
@@ -95,6 +97,17 @@ class CalculatorAgent(ChatAgent):
                         tool_correct=float(correct > 0), solved=float(solved),
                         format_ok=float(r.choices[0].finish_reason == "stop"))
         return float(solved)
+
+    async def policy(self, messages: list[dict], tools: list[dict] | None) -> dict:
+        """The oracle (`molt rollout --policy scripted`, the cold start's demonstrations): call
+        the calculator on the question's product, then answer with the tool's result."""
+        question = next(m["content"] for m in reversed(messages) if m["role"] == "user")
+        a, b = map(int, re.findall(r"\d+", question)[-2:])
+        if messages[-1]["role"] == "tool":
+            return {"role": "assistant", "content": f"{a} * {b} = {messages[-1]['content']}"}
+        return {"role": "assistant", "content": "", "tool_calls": [{
+            "id": "call_0", "type": "function", "function": {
+                "name": "calculator", "arguments": json.dumps({"expression": f"{a} * {b}"})}}]}
 
 
 class HeldOutChat(ChatRunner):
