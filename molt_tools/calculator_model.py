@@ -13,7 +13,7 @@ from typing import Any
 
 from molt_examples.calculator import TOOL
 
-__all__ = ["build_model", "imprint_pairs", "short_tools_template"]
+__all__ = ["build_model", "imprint_pairs", "scripted_demos", "sft_model", "short_tools_template"]
 
 
 def short_tools_template(template: str) -> str:
@@ -78,6 +78,48 @@ def build_model(out_dir: str | Path, *, lo: int = 2, hi: int = 9, tool_rate: flo
     imprint(base, out, imprint_pairs(tok, lo, hi, tool_rate, seed), steps=steps, lr=lr, tol=None,
             batch_size=batch_size, clip=1.0, decay=True, seed=seed)
     return out
+
+
+def scripted_demos(recipe: str | Path, out: str | Path, n: int, *args: str) -> list[dict]:
+    """`molt rollout RECIPE -n N --policy scripted --keep 'reward>=1' --sft-out OUT ARGS` (the
+    agent's oracle, ChatAgent.policy): the kept episodes as chat rows for `sft_model`."""
+    from molt_tools.commands import main
+
+    out = Path(out)
+    if main(["rollout", str(recipe), "-n", str(n), "--policy", "scripted", "--keep", "reward>=1",
+             "--sft-out", str(out), "--quiet", f"out_dir={out.parent / 'rollouts'}", *args]):
+        raise RuntimeError(f"molt rollout {recipe} --policy scripted failed")
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def sft_model(model_dir: str | Path, out_dir: str | Path, rows: list[dict], *, steps: int = 300,
+              lr: float = 1e-2, batch_size: int = 0, tol: float | None = 0.01,
+              schedule: str = "constant", seed: int = 0) -> Path:
+    """`molt sft` (molt_core.sft, full fine-tuning, embedded: no Ray) of `model_dir` on chat
+    `rows` ({"messages": [...], "tools": [...]}, as `molt rollout --sft-out` writes), `steps`
+    steps of `batch_size` rows (0: all) at `lr` (`schedule`: trainer.lr_schedule); the model is
+    `out_dir/run/final`, returned. With `tol`, raise if the last step's loss is not below it (a
+    test's model must have learned its replies)."""
+    from molt_core.cli import load
+    from molt_core.sft_trainer import sft
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = out / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg, plugins = load(None, [
+        f"model.path={model_dir}", f"seed={seed}", f"sft.data={data}", f"sft.steps={steps}",
+        f"sft.batch_size={batch_size or len(rows)}", "sft.eval_fraction=0", f"trainer.lr={lr}",
+        f"trainer.lr_schedule={schedule}", "trainer.lora.rank=0", "trainer.save_every=0",
+        "agent.args={env: addition}",            # not used: molt sft runs no agent
+        "ray.embedded=on", "trainer.cpus_per_rank=1",     # one thread suits a tiny model
+        f"trainer.micro_batch_size={batch_size or len(rows)}", "log.sinks=[]"])
+    (out / "run").mkdir(exist_ok=True)
+    history = sft(cfg, plugins, out / "run", progress=False)
+    loss = [h["train/loss"] for h in history if "train/loss" in h][-1]
+    if tol is not None and loss >= tol:
+        raise RuntimeError(f"molt sft did not reach loss {tol}: {loss:.3g} after {steps} steps")
+    return out / "run" / "final"
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Fixtures for the chat plugin: the tiny model, and one imprinted to solve the calculator task."""
+"""Fixtures for the chat plugin: the tiny model, and one taught (molt sft) to solve the calculator task."""
 
 from __future__ import annotations
 
@@ -16,28 +16,18 @@ def chat_tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def solver_dir(chat_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Imprinted (in-test SFT) to call the calculator correctly and answer, for task 0."""
-    from transformers import AutoTokenizer
+    """Taught (molt sft on the calculator agent's scripted oracle, `Calculator.policy`, as
+    `molt rollout --policy scripted` records it) to call the calculator and answer, for task 0."""
+    import asyncio
 
     from molt_examples.calculator import TOOL, Calculator
-    from molt_tools.imprint import imprint
+    from molt_tools.calculator_model import sft_model
 
-    tok = AutoTokenizer.from_pretrained(chat_tiny_dir)
-    pairs = []
-    for task in range(1):
-        question, answer = Calculator().question(task)
-        a, b = question.split("What is ")[1].split("?")[0].split(" + ")
-        args = f'{{"expression": "{a} + {b}"}}'
-        msgs = [{"role": "user", "content": question}]
-        pairs.append((tok.apply_chat_template(msgs, tools=[TOOL], tokenize=False,
-                                              add_generation_prompt=True),
-                      f'<tool_call>\n{{"name": "calculator", "arguments": {args}}}\n'
-                      "</tool_call><|im_end|>"))
-        msgs += [{"role": "assistant", "content": "", "tool_calls": [
-                     {"id": "c", "type": "function",
-                      "function": {"name": "calculator", "arguments": args}}]},
-                 {"role": "tool", "tool_call_id": "c", "content": str(answer)}]
-        pairs.append((tok.apply_chat_template(msgs, tools=[TOOL], tokenize=False,
-                                              add_generation_prompt=True),
-                      f"The answer is {answer}.<|im_end|>"))
-    return imprint(chat_tiny_dir, tmp_path_factory.mktemp("solver"), pairs, tol=0.005)
+    agent = Calculator()
+    msgs = [{"role": "user", "content": agent.question(0)[0]}]
+    call = asyncio.run(agent.policy(msgs, [TOOL]))
+    msgs += [call, {"role": "tool", "tool_call_id": call["tool_calls"][0]["id"],
+                    "content": agent._result(call["tool_calls"][0]["function"]["arguments"])}]
+    msgs.append(asyncio.run(agent.policy(msgs, [TOOL])))
+    return sft_model(chat_tiny_dir, tmp_path_factory.mktemp("solver"),
+                     [{"messages": msgs, "tools": [TOOL]}], steps=60, tol=0.005)
