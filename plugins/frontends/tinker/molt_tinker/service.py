@@ -388,9 +388,9 @@ class Service:
         metrics = self.policy.train(batch, TrainStep(fn, args, loss_agg="seq-mean-token-sum"))
         metrics = {k: v for k, v in metrics.items() if not k.startswith("mismatch/")}
         m.step += 1
-        m.log(m.step - 1, metrics | {"policy/version": m.step, "train/lr": adam["learning_rate"],
-                                     "train/tokens": int(batch["loss_mask"].sum()),
-                                     "time/step_s": time.perf_counter() - t0})
+        m.log(m.step, metrics | {"policy/version": m.step, "train/lr": adam["learning_rate"],
+                                 "train/tokens": int(batch["loss_mask"].sum()),
+                                 "time/step_s": time.perf_counter() - t0})
         return ("json", {"metrics": {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
                                      "learning_rate": adam["learning_rate"]}})
 

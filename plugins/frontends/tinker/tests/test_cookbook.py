@@ -64,7 +64,7 @@ def test_cookbook_supervised_train_main_lowers_the_nll(bpe_server: str, bpe_root
     # the server's run directory for this training client: Molt's sinks, one row per step
     (run,) = [d for d in (bpe_root / "runs").iterdir() if (d / "tinker.json").exists()]
     steps = [r for r in _rows(run / "metrics.jsonl") if "loss" in r]
-    assert [r["step"] for r in steps] == list(range(len(nll))), steps
+    assert [r["step"] for r in steps] == list(range(1, len(nll) + 1)), steps   # updates done
     assert all(r["train/tokens"] > 0 for r in steps), steps
     out = subprocess.run([sys.executable, "-m", "molt_tools", "report", str(run)],
                          capture_output=True, text=True, timeout=300)
