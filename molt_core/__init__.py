@@ -3,7 +3,9 @@
 import importlib
 from typing import Any
 
-from molt_core.hookspecs import hookimpl
+import pluggy
+
+hookimpl = pluggy.HookimplMarker("molt")     # `@molt_core.hookimpl` marks a plugin's hooks
 
 __version__ = "0.1.0"
 # Bumped when a hook's signature or contract changes incompatibly; plugins declare the range they

@@ -6,7 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from molt_core.hookspecs import hookimpl
+from molt_core import hookimpl
 
 VLLM_MISSING = ("engine.name=vllm needs the `vllm` package, which is not installed in this "
                 "environment. On GPU: pip install vllm; on CPU: `make venv-vllm` builds .venv-vllm "

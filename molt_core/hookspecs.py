@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import pluggy
 
+from molt_core import hookimpl
+
 if TYPE_CHECKING:
     from molt_core.config import Config
     from molt_core.plugins import Plugins
     from molt_core.trajectory import Trajectory
 
 hookspec = pluggy.HookspecMarker("molt")
-hookimpl = pluggy.HookimplMarker("molt")
 
 __all__ = ["hookimpl", "hookspec"]
 
