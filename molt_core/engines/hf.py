@@ -249,7 +249,9 @@ class HFEngine:
             yield
         except ValueError:
             if not self.lora.staged and not self._updated:
-                self._update_version, _ = None, self._paused or self._can_run.set()
+                self._update_version = None
+                if not self._paused:
+                    self._can_run.set()
             raise
 
     async def weight_checksums(self) -> dict[str, int]:
@@ -406,7 +408,8 @@ class HFEngine:
             extra = multimodal.model_inputs(self.model, ids, mask, pixels, grid)
             position_ids = extra.pop("position_ids")
         cache = DynamicCache(config=self.model.config)
-        self.lora.groups = self.lora.group([rows[keys.index(k)].pin for k in first])
+        pins = dict(zip(keys, (r.pin for r in rows)))     # a key holds its pin's id: one pin
+        self.lora.groups = self.lora.group([pins[k] for k in first])
         with moe.routing(self.model, mode="off") as routing:
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
                              past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
