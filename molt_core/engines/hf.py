@@ -48,8 +48,6 @@ class _Request:
 
 
 class HFEngine:
-    """HF model + batched decode loop (a `contracts.Engine`); see the module docstring."""
-
     def __init__(self, model_path: str, *, dtype: str = "float32", max_batch_size: int = 256,
                  seed: int = 0, num_threads: int = 1, device: str = "cpu",
                  max_adapters: int = 4, keep_versions: bool = False) -> None:
@@ -165,7 +163,7 @@ class HFEngine:
     async def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]],
                              version: int) -> None:
         """A bucket that fails validation copies nothing (the update stays open; one of LoRA
-        tensors, `_lora_name`, closes an update of nothing else: decoding goes on)."""
+        tensors, `lora_name`, closes an update of nothing else: decoding goes on)."""
         self._bind_loop()
         if self._update_version is None:
             self._update_version, self._updated, self._sums = version, set(), {}
@@ -232,8 +230,9 @@ class HFEngine:
             raise RuntimeError(f"weight update to version {version} did not assign "
                                f"{len(missing)} parameter(s): {', '.join(missing)}")
         with self._closing_on_error():  # keep_versions: rows go on with theirs unless evicted
-            evicted = any([self.lora.install(aid, version, [r.pin for r in self._wave])
-                           for aid in list(self.lora.staged)])
+            evicted = False
+            for aid in list(self.lora.staged):
+                evicted |= self.lora.install(aid, version, [r.pin for r in self._wave])
         self._version, self._update_version = version, None
         self._base_version = version if self._updated else self._base_version
         self._weights_epoch += not self.lora.keep or bool(self._updated) or evicted
@@ -255,16 +254,14 @@ class HFEngine:
             raise
 
     async def weight_checksums(self) -> dict[str, int]:
-        """`weight_sync.checksums` of every parameter (and adapter tensor) as it is now (names a
-        corrupted one)."""
+        """`weight_sync.checksums` of every parameter and adapter tensor (names a corrupt one)."""
         named = [(n, self._params[n]) for n in self._canonical.values()]
         named += [nt for ad in self.lora.latest.values() for nt in ad["named"].items()]
         return dict(zip([n for n, _ in named], weight_sync.checksums(named)))
 
     async def score(self, token_ids: list[int], adapter: str | None = None) -> list[float]:
-        """Log-probs of token_ids[1:] after their prefixes at temperature 1 (with `adapter`,
-        default the policy's): the weight-sync canary (`EngineRestarts.check_canary`); the
-        sampling RNG is untouched."""
+        """Log-probs of token_ids[1:] after their prefixes at temperature 1 under `adapter` (default
+        the policy's): the weight-sync canary (`EngineRestarts.check_canary`); RNG untouched."""
         ids = torch.tensor([token_ids], device=self.device)
         self.lora.groups = self.lora.group([self.lora.resolve(adapter)])
         with torch.no_grad(), moe.routing(self.model, mode="off"):
@@ -306,13 +303,11 @@ class HFEngine:
             if not self._pending:
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            # Let concurrent arrivals gather so they share one wave.
-            n = -1
-            for _ in range(20):
-                if n == len(self._pending):
-                    break
+            for _ in range(20):     # let concurrent arrivals gather so they share one wave
                 n = len(self._pending)
                 await asyncio.sleep(0.001)
+                if n == len(self._pending):
+                    break
             self._pending = [r for r in self._pending if not r.future.cancelled()]  # aborted
             if not self._pending:
                 continue

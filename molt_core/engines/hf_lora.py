@@ -70,8 +70,8 @@ class Adapters:
                             if id(e) in used], key=lambda e: e["version"])
         n = max(0, len(self.latest) + len(self.kept) - self.max)
         del self.kept[:n]
-        self.evictions, self.peak = self.evictions + n, max(self.peak, len(self.latest)
-                                                            + len(self.kept))
+        self.evictions += n
+        self.peak = max(self.peak, len(self.latest) + len(self.kept))
         return n > 0
 
     def live(self, pin: dict) -> bool:

@@ -60,8 +60,6 @@ def _set_env(kv_cache_gib: int, start_timeout_s: float, num_threads: int) -> Non
 
 
 class VLLMEngine:
-    """vLLM AsyncLLM as an `Engine`; see the module docstring."""
-
     def __init__(self, model_path: str, *, dtype: str = "float32", max_batch_size: int = 256,
                  seed: int = 0, num_threads: int = 1, device: str = "auto", kv_cache_gib: int = 1,
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.85,

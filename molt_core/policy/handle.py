@@ -10,7 +10,6 @@ import types
 from dataclasses import asdict
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 import torch.distributed as dist
@@ -73,10 +72,8 @@ class _InDriver:
 
 
 class Policy:
-    """Driver handle for `num_ranks` FSDP2 `PolicyWorker` actors.
-
-    `actor_options`: Ray options of each rank (GPUs, CPUs, custom resources; `cluster.start`
-    derives them from the config). Ranks of one tensor/context-parallel group get the same rows."""
+    """Driver handle for `num_ranks` FSDP2 `PolicyWorker` actors; `actor_options`: each rank's Ray
+    options (from `cluster.start`). Ranks of one tensor/context-parallel group get the same rows."""
 
     worker_cls: type = PolicyWorker
 
@@ -144,13 +141,12 @@ class Policy:
             raise
 
     def train(self, batch: dict[str, torch.Tensor], spec: TrainStep) -> dict[str, float]:
-        """`trainer.epochs` x `trainer.mini_batches` optimizer steps of `spec` on a `collate` batch
-        [B, T] (each epoch: the rows in `mini_batches` consecutive parts, each loss normalised by
-        its own global counts); returns plain-float metrics, token-weighted over all steps (`loss`,
-        `grad_norm`, `train/lr`: the mean step's). More than one step: pi_prox comes first, on the weights
-        before them. A non-finite loss or grad norm skips the step (`faults/nonfinite_steps`,
-        total); `trainer.max_nonfinite_steps` of them in a row raise. So is one whose gradient is
-        exactly zero (no learning signal: `train/no_signal_steps`, this batch's)."""
+        """`trainer.epochs` x `mini_batches` optimizer steps of `spec` on a `collate` batch [B, T]
+        (an epoch: `mini_batches` consecutive parts, each loss normalised by its own global counts);
+        plain-float metrics, token-weighted over all steps (`loss`, `grad_norm`, `train/lr`: the
+        mean step's). Several steps: pi_prox first. A step with a non-finite loss or grad norm is
+        skipped (`faults/nonfinite_steps`; `trainer.max_nonfinite_steps` in a row raise), as is one
+        with a zero gradient (`train/no_signal_steps`)."""
         B = batch["input_ids"].shape[0]
         k = min(self.cfg.mini_batches, B)
         bounds = _cuts(batch, [j * (B // k) + min(j, B % k) for j in range(1, k)])
@@ -195,13 +191,11 @@ class Policy:
     def logprobs(self, batch: dict[str, torch.Tensor], temperature: float = 1.0,
                  with_routing: bool = False
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, T] trainer log-probs at trainable positions, 0 elsewhere; `with_routing` (MoE):
-        also the [B, T, layers, k] expert ids the trainer's forward used (None if dense)."""
+        """[B, T], 0 where not trainable; `with_routing` (MoE): also [B, T, layers, k] experts."""
         return self._per_rank("logprobs", batch, temperature, with_routing)
 
     def trained_logprobs(self) -> torch.Tensor:
-        """[B, T] the trainer log-probs the last `train` used (pre-update), 0 where not trainable
-        (several steps: pi_prox, computed before them; one: they came back with it)."""
+        """[B, T] the last `train`'s pre-update log-probs: pi_prox (several steps) or its own."""
         return self._prox if self._prox is not None else self._unsplit(*self._trained)
 
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -222,8 +216,7 @@ class Policy:
         return self._unsplit(parts)
 
     def full_params(self, adapter: bool = False, master: bool = False) -> dict[str, torch.Tensor]:
-        """Gathered parameters by HF name (LoRA: merged; `adapter`: the adapter weights only), as
-        the engines get them (`master`: the fp32 master weights)."""
+        """Gathered parameters by HF name (LoRA merged; `adapter`: adapters only, `master` fp32)."""
         out = self._get([w.full_params.remote(adapter, master) for w in self.workers],
                         "full_params")[0]
         # in the driver these would be the live parameters, which the next step changes

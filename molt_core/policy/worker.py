@@ -60,8 +60,6 @@ def lr_factor(t: dict[str, Any]) -> Callable[[int], float]:
 
 
 class PolicyWorker:
-    """One FSDP2 rank, a plain class (how `Policy` runs it: the module docstring)."""
-
     share_context = False                # token_logprobs' shared contexts (`_build_model`)
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int,
@@ -97,9 +95,8 @@ class PolicyWorker:
     def _build_model(self, model_path: str, dtype: torch.dtype) -> torch.nn.Module:
         """The HF model, each decoder layer and the root `fully_shard` over all ranks
         (`trainer.optimizer_offload`: params, grads and AdamW state live on the CPU). Parameters
-        and AdamW stay fp32 (master weights); forward and backward run in `dtype` (FSDP2
-        mixed precision), routers in fp32."""
-        # fp32 masters; with LoRA only the adapters train (`lora.add_adapters` keeps them fp32)
+        and AdamW stay fp32 (master weights; with LoRA only the adapters train, fp32); forward and
+        backward run in `dtype` (FSDP2 mixed precision), routers in fp32."""
         lora_rank = self.cfg["lora"]["rank"]
         carry = Path(model_path, "driver.pt").is_file()     # a checkpoint: model.init_lora carry
         arch = json.loads(Path(model_path, "meta.json").read_text())["model_path"] if carry \
@@ -179,8 +176,7 @@ class PolicyWorker:
             value_head=value_head)
 
     def _reference(self) -> Any:
-        """pi_ref for the KL term: the initial weights, frozen, built and sharded like the policy
-        (`_build_model`)."""
+        """pi_ref for the KL term: the initial weights, frozen, built and sharded as the policy."""
         if self.reference is None:
             ref = self._build_model(self.model_path, _DTYPES[self.dtype]).requires_grad_(False)
             self.reference = _with_forward(ref, self.share_context).eval()
@@ -349,9 +345,8 @@ class PolicyWorker:
         return ((n, t if master or n in self.fp32_names else t.to(dtype)) for n, t in named)
 
     def full_params(self, adapter: bool = False, master: bool = False) -> dict[str, torch.Tensor]:
-        """Gathered parameters by HF name (LoRA: merged), or with `adapter` only the LoRA
-        weights under PEFT's saved names (a collective: call on every rank); `master`: the fp32
-        master weights instead of the engines' dtypes."""
+        """Gathered parameters by HF name (LoRA: merged), or with `adapter` only the LoRA weights
+        by PEFT's saved names (a collective: on every rank); `master`: fp32, not engine dtypes."""
         if adapter:
             return lora.adapter_tensors(self._named_full_tensors(merge=False, master=True))
         return {n: t.cpu() for n, t in self._named_full_tensors(master=master)}
@@ -359,9 +354,9 @@ class PolicyWorker:
     def push_weights(self, engines: list, version: int, bucket_bytes: int, timeout_s: float,
                      transport: str = "ray") -> dict[str, Any]:
         """Gather every parameter (all ranks; LoRA `sync: adapter`: the adapters only, as
-        `lora.adapter_sync`); rank 0 sends dtype-preserving buckets to engines
-        (`weight_sync.send`), over Ray or, with `transport="broadcast"`/`"shm"`, a process group
-        / shared-memory channel built on the first push to these engines."""
+        `lora.adapter_sync`); rank 0 sends dtype-preserving buckets to engines (`weight_sync.send`)
+        over Ray or the process group / shared-memory channel (`broadcast`/`shm`) built on the
+        first push to these engines."""
         cfg = self.cfg["lora"]
         named = (lora.adapter_sync(((n, gathered(p).detach()) for n, p in
                                     self.model.named_parameters() if ".lora_" in n),
