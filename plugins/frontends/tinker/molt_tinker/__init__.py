@@ -1,7 +1,8 @@
 """`molt serve-tinker RECIPE [k=v ...]`: the REST API the unmodified `tinker` SDK calls (sessions,
-LoRA training clients, forward/backward with Tinker's losses, Adam steps, sampling, checkpoints,
-futures), served on 127.0.0.1 by Molt's own trainer (`Policy.train`) and rollout engine
-(docs/tinker.md). The package registers the command and the trainer backend it trains with."""
+LoRA training clients, several at once time-sharing one trainer, forward/backward with Tinker's
+losses, Adam steps, sampling, checkpoints, futures), served on 127.0.0.1 by Molt's own trainer
+(`Policy.train`) and rollout engine (docs/tinker.md). The package registers the command and the
+trainer backend it trains with."""
 
 from __future__ import annotations
 

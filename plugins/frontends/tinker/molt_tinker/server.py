@@ -98,11 +98,9 @@ def app(service: Service) -> FastAPI:
             raise HTTPError(400, "this server trains LoRA on every linear layer (train_mlp and "
                                  "train_attn True)")
         m = service.new_model(r.session_id, r.model_seq_id, r.base_model, lora.rank, lora.seed)
-
-        def build() -> tuple:
-            service._build(m)
-            return ("json", {"model_id": m.id, "type": "create_model"})
-        return future(service.submit(build), model_id=m.id)
+        # its first request builds it (`Service._use`)
+        return future(service.submit(lambda: ("json", {"model_id": m.id, "type": "create_model"}),
+                                     m), model_id=m.id)
 
     @api.post(f"{v1}/get_info")
     async def get_info(request: Request) -> dict:
@@ -211,6 +209,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="a session without a heartbeat for S seconds expires (default 300)")
     p.add_argument("--keep-samplers", type=int, default=4, metavar="N",
                    help="sampler weights kept in memory (the newest N; default 4)")
+    p.add_argument("--max-models", type=int, default=8, metavar="N",
+                   help="live training clients at most, time-sharing one trainer (default 8)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -220,7 +220,8 @@ def main(args: argparse.Namespace) -> int:
     cfg, plugins = load(args.recipe, args.overrides, args.plugin, args.blocked)
     names = [*args.model_name, cfg.model.path, str(Path(cfg.model.path).resolve())]
     service = Service(cfg, plugins, list(dict.fromkeys(names)),
-                      session_timeout_s=args.session_timeout, keep_samplers=args.keep_samplers)
+                      session_timeout_s=args.session_timeout, keep_samplers=args.keep_samplers,
+                      max_models=args.max_models)
     print(f"molt serve-tinker: http://127.0.0.1:{args.port} (TINKER_BASE_URL; any TINKER_API_KEY "
           f"starting tml-), base_model {service.names[0]!r}", file=sys.stderr)
     uvicorn.run(app(service), host="127.0.0.1", port=args.port, log_level="warning")

@@ -1,13 +1,19 @@
-"""The service behind the routes: sessions, the training model (one at a time: a Molt run with its
-own run directory, metrics and checkpoints, on `cluster.start`'s policy and engines), the futures
-every long request returns, and sampling sessions on the rollout engine.
+"""The service behind the routes: sessions, the training models (each a Molt run with its own
+run directory, metrics and checkpoints), the futures every long request returns, and sampling
+sessions on the rollout engine.
 
-Training requests of a model run in the SDK's `seq_id` order on one training thread; sampling and
-the HTTP loop stay on the event loop. A forward_backward computes its log-probs and loss at once
-(a no-grad forward) and is kept: the next optim_step trains on all kept rows in one `Policy.train`
-(`TrainStep`: the Molt loss Tinker's loss maps to, loss_agg = the plain sum), so its gradient is
-the sum of theirs at the same weights. Errors a client caused fail its future with category
-"user" (the SDK raises RequestFailedError); the service keeps serving."""
+The live models (at most `max_models`) time-share one policy on one base (`cluster.start`'s): the
+policy holds one model's LoRA weights and AdamW state at a time (`resident`); the others' states
+wait in CPU memory (`TinkerPolicy.get_state`), and a request of another model swaps them first
+(`_use`; a cluster restart when the LoRA rank differs). Training requests of a model run in the
+SDK's `seq_id` order, those of all models on one training thread; sampling and the HTTP loop stay
+on the event loop. A session that closes or expires frees its models.
+
+A forward_backward computes its log-probs and loss at once (a no-grad forward) and is kept: the
+next optim_step trains on all kept rows in one `Policy.train` (`TrainStep`: the Molt loss Tinker's
+loss maps to, loss_agg = the plain sum), so its gradient is the sum of theirs at the same
+weights. Errors a client caused fail its future with category "user" (the SDK raises
+RequestFailedError); the service keeps serving."""
 
 from __future__ import annotations
 
@@ -91,6 +97,9 @@ class Model:
     sink: Any = None
     log: Any = None
     samplers: int = 0
+    state: Any = None       # its weights and AdamW state while another model is resident
+    freed: bool = False
+    swap_s: float = 0.0     # swap-in time since its last optim_step
 
 
 class _EngineSlot:
@@ -129,17 +138,20 @@ class _EngineSlot:
 class Service:
     def __init__(self, cfg: Config, plugins: Any, names: list[str], *,
                  session_timeout_s: float = 300.0, keep_samplers: int = 4,
-                 poll_s: float = 10.0) -> None:
+                 poll_s: float = 10.0, max_models: int = 8) -> None:
         from molt_core import multimodal
         self.cfg, self.plugins, self.names = cfg, plugins, names
-        self.session_timeout_s, self.keep_samplers, self.poll_s = (
-            session_timeout_s, keep_samplers, poll_s)
+        self.session_timeout_s, self.keep_samplers, self.poll_s, self.max_models = (
+            session_timeout_s, keep_samplers, poll_s, max_models)
         from transformers import AutoConfig
         self.tokenizer = multimodal.load_tokenizer(cfg.model.path, cfg.model.chat_template)
         text = AutoConfig.from_pretrained(cfg.model.path).get_text_config()
         self.vocab, self.max_context = text.vocab_size, text.max_position_embeddings
         self.sessions: dict[str, Session] = {}
-        self.model: Model | None = None
+        self.models: dict[str, Model] = {}
+        self.resident: Model | None = None              # the model whose state the policy holds
+        self.inits: OrderedDict[tuple, dict] = OrderedDict()    # (rank, seed) -> fresh state
+        self.rank, self.swaps = 0, 0                    # the policy's LoRA rank; swaps so far
         self.futures: OrderedDict[str, asyncio.Future] = OrderedDict()
         self.samplers: dict[str, tuple[str, str]] = {}    # sampling session -> (key, base model)
         self.snapshots: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
@@ -149,7 +161,6 @@ class Service:
         self.train = ThreadPoolExecutor(1, thread_name_prefix="molt-tinker-train")
         self.loop: asyncio.AbstractEventLoop | None = None
         self._cluster: contextlib.ExitStack | None = None
-        self._built: tuple | None = None                # (rank, seed) of a policy never trained
         self.policy: Any = None
 
     # -- lifecycle (the training thread) ------------------------------------------------------
@@ -171,7 +182,10 @@ class Service:
         self.snapshots["base"] = self.policy.full_params()
 
     def _restart(self, rank: int, seed: int) -> None:
+        """A new cluster whose LoRA has `rank` (the resident model's state kept first); its fresh
+        adapters are the init of every model of that rank and seed."""
         from molt_core.run import cluster
+        self._stash()
         if self._cluster is not None:
             asyncio.run_coroutine_threadsafe(self.slot.swap(None), self.loop).result()
             self._cluster.close()
@@ -181,12 +195,39 @@ class Service:
         if not engines:
             raise RuntimeError("molt serve-tinker samples on the recipe's engine: set "
                                "engine.num_engines >= 1")
-        self._built = (rank, seed)
         asyncio.run_coroutine_threadsafe(self.slot.swap(engines[0]), self.loop).result()
+        self.rank, self.inits[(rank, seed)] = rank, self.policy.get_state()
+        while len(self.inits) > self.max_models:
+            self.inits.popitem(last=False)
+
+    def _stash(self) -> None:
+        """The resident model's state out of the policy, into CPU memory."""
+        if self.resident is not None:
+            self.resident.state, self.resident = self.policy.get_state(), None
+
+    def _use(self, m: Model) -> None:
+        """Make `m` the resident model (the training thread): built on its first request, else
+        the resident one's state out and m's in, the cluster restarted if the rank differs."""
+        if m.freed:
+            raise UserError(f"model '{m.id}' was freed (its session closed or expired)")
+        if self.resident is m:
+            return
+        if m.run_dir is None:
+            return self._build(m)
+        t0 = time.perf_counter()
+        self._stash()
+        if self.rank != m.rank:
+            self._restart(m.rank, m.seed)
+        self.policy.set_state(m.state)
+        m.state, self.resident = None, m
+        self.swaps += 1
+        m.swap_s += (dt := time.perf_counter() - t0)
+        log.info("model_swap", model=m.id, swaps=self.swaps, seconds=round(dt, 4))
 
     def close(self) -> None:
         def stop() -> None:
-            self._unload()
+            for m in self.models.values():
+                self._drop(m)
             if self._cluster is not None:
                 self._cluster.close()
         self.train.submit(stop).result()
@@ -194,12 +235,10 @@ class Service:
 
     # -- sessions and models ------------------------------------------------------------------
     def session(self, sid: str | None) -> Session:
+        self._sweep()
         s = self.sessions.get(sid or "")
         if s is None:
             raise HTTPError(404, f"unknown session '{sid}'; create one (ServiceClient)")
-        if not s.finished and time.monotonic() - s.last_seen > self.session_timeout_s:
-            s.finished = True
-            log.info("session_expired", session=sid)
         if s.finished:
             raise HTTPError(410, f"session '{sid}' has expired or finished (no heartbeat for "
                                  f"{self.session_timeout_s:.0f}s, or closed): start a new "
@@ -207,7 +246,16 @@ class Service:
         s.last_seen = time.monotonic()
         return s
 
+    def _sweep(self) -> None:
+        """Sessions without a heartbeat for `session_timeout_s` expire; their models are freed."""
+        now = time.monotonic()
+        for s in self.sessions.values():
+            if not s.finished and now - s.last_seen > self.session_timeout_s:
+                log.info("session_expired", session=s.id)
+                self.finish_session(s.id)
+
     def create_session(self) -> str:
+        self._sweep()
         sid = f"session-{uuid.uuid4().hex[:12]}"
         self.sessions[sid] = Session(sid, time.monotonic())
         return sid
@@ -216,15 +264,31 @@ class Service:
         self.session(sid)
 
     def finish_session(self, sid: str) -> None:
+        """The session ends; its models are freed (their state dropped on the training thread,
+        after the requests already queued there)."""
         if sid in self.sessions:
             self.sessions[sid].finished = True
+        for m in self.models.values():
+            if m.session == sid and not m.freed:
+                m.freed = True
+                self.train.submit(self._drop, m)
+                log.info("model_freed", model=m.id)
+
+    def _drop(self, m: Model) -> None:
+        m.freed, m.state, m.kept = True, None, []
+        if self.resident is m:
+            self.resident = None
+        if m.sink is not None:
+            m.sink.close()
+            m.sink = None
 
     def get_model(self, model_id: str) -> Model:
-        m = self.model
-        if m is None or m.id != model_id:
-            live = f"; the live model is '{m.id}'" if m else "; no model is live"
-            raise HTTPError(404, f"unknown model '{model_id}'{live} (this server trains one at "
-                                 "a time: create_lora_training_client)")
+        m = self.models.get(model_id)
+        if m is None:
+            raise HTTPError(404, f"unknown model '{model_id}' (create_lora_training_client)")
+        if m.freed:
+            raise HTTPError(404, f"model '{model_id}' was freed: its session closed or expired "
+                                 "(create a new training client)")
         self.session(m.session)
         return m
 
@@ -237,35 +301,35 @@ class Service:
 
     def new_model(self, sid: str, seq: int, base: str | None, rank: int, seed: int | None,
                   targets: dict | None = None) -> Model:
-        """Reserve the one model slot for session `sid` (the previous model must be gone)."""
+        """A new model of session `sid`, built by its first request (`_use`)."""
         self.session(sid)
         name = self.base_name(base)
         if rank < 1:
             raise HTTPError(400, f"LoRA rank must be >= 1, got {rank}")
-        m = self.model
-        if m is not None:
-            alive = m.session in self.sessions and not self.sessions[m.session].finished and (
-                time.monotonic() - self.sessions[m.session].last_seen <= self.session_timeout_s)
-            if alive:
-                raise HTTPError(400, f"this server trains one model at a time and '{m.id}' is "
-                                     "live: close its ServiceClient (or let its session expire) "
-                                     "first; several models at once are not supported yet")
-        self.model = Model(f"{sid}:train:{seq}", sid, name, rank,
-                           self.cfg.seed if seed is None else seed)
-        return self.model
-
-    def _unload(self) -> None:
-        m, self.model = self.model, None
-        if m is not None and m.sink is not None:
-            m.sink.close()
+        live = [m.id for m in self.models.values() if not m.freed]
+        if len(live) >= self.max_models:
+            raise HTTPError(400, f"this server holds at most {self.max_models} live training "
+                                 f"models and has {len(live)} ({', '.join(live)}): close a "
+                                 "ServiceClient (its models are freed) or let its session "
+                                 "expire, or restart the server with a larger --max-models")
+        m = Model(f"{sid}:train:{seq}", sid, name, rank, self.cfg.seed if seed is None else seed)
+        if m.id in self.models:
+            raise HTTPError(400, f"model '{m.id}' exists (model_seq_id {seq} used twice)")
+        self.models[m.id] = m
+        return m
 
     def _build(self, m: Model) -> None:
-        """The model's policy (fresh LoRA of its rank and seed) and its run directory."""
+        """The model's state (a fresh LoRA of its rank and seed), resident, and its run
+        directory."""
         from molt_core.run.metrics import MetricsSink, make_run_dir
         from molt_core.trainer import _Log
-        if self._built != (m.rank, m.seed):
+        key = (m.rank, m.seed)
+        self._stash()
+        if key not in self.inits or self.rank != m.rank:
             self._restart(m.rank, m.seed)
-        self._built = None                              # trained from now on: not fresh
+        self.inits.move_to_end(key)
+        self.policy.set_state(self.inits[key])
+        self.resident = m
         cfg = self._cfg(m.rank, m.seed)
         m.run_dir = make_run_dir(cfg.out_dir, f"{cfg.name}-tinker", to_dict(cfg),
                                  self.plugins.info, m.seed, ["molt", "serve-tinker", m.id])
@@ -279,21 +343,26 @@ class Service:
     # -- futures ------------------------------------------------------------------------------
     def submit(self, fn: Callable[[], Any], model: Model | None = None, seq: int | None = None,
                on_loop: bool = False) -> str:
-        """A future id at once; `fn` runs on the training thread in the model's seq order (or,
-        `on_loop`, is a coroutine function run on the event loop)."""
+        """A future id at once; `fn` runs on the training thread with `model` resident, in its
+        seq order (or, `on_loop`, is a coroutine function run on the event loop)."""
         rid = uuid.uuid4().hex
         fut = self.futures[rid] = self.loop.create_future()
         while len(self.futures) > 10_000:
             self.futures.popitem(last=False)
+
+        def job() -> Any:
+            if model is not None:
+                self._use(model)
+            return fn()
 
         async def run() -> None:
             try:
                 if on_loop:
                     out = await fn()
                 elif model is None or seq is None:
-                    out = await asyncio.wrap_future(self.train.submit(fn))
+                    out = await asyncio.wrap_future(self.train.submit(job))
                 else:
-                    out = await self._in_turn(model, seq, fn)
+                    out = await self._in_turn(model, seq, job)
                 fut.set_result(out)
             except UserError as e:
                 fut.set_result(("error", str(e), "user"))
@@ -390,7 +459,9 @@ class Service:
         m.step += 1
         m.log(m.step, metrics | {"policy/version": m.step, "train/lr": adam["learning_rate"],
                                  "train/tokens": int(batch["loss_mask"].sum()),
-                                 "time/step_s": time.perf_counter() - t0})
+                                 "time/step_s": time.perf_counter() - t0,
+                                 "time/swap_s": m.swap_s, "tinker/swaps": self.swaps})
+        m.swap_s = 0.0
         return ("json", {"metrics": {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
                                      "learning_rate": adam["learning_rate"]}})
 
@@ -415,8 +486,6 @@ class Service:
 
     def load_weights(self, m: Model, path: str, optimizer: bool) -> tuple[str, dict]:
         d, meta = self.checkpoint(path)
-        if m.run_dir is None:               # a model this load creates
-            self._build(m)
         if meta["lora_rank"] != m.rank:
             raise UserError(f"checkpoint '{path}' has LoRA rank {meta['lora_rank']}, the model "
                             f"{m.rank}")

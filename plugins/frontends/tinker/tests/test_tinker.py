@@ -281,3 +281,73 @@ def test_sampling_stop_sequences_prompt_logprobs_and_checkpoints(server: str):
         tc = service.create_training_client_from_state_with_optimizer(saved).result()
         again = tc.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
         np.testing.assert_allclose(again, trained, atol=1e-5)
+
+
+def _train(tc, data: list[types.Datum], steps: int) -> list[float]:
+    """`steps` rounds of forward_backward(cross_entropy) + optim_step; the losses."""
+    out = []
+    for _ in range(steps):
+        fb = tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+        out.append(fb.result().metrics["loss:sum"])
+    return out
+
+
+def test_several_training_clients_interleaved_train_as_if_alone(server: str):
+    """Three live training clients on one server: A and C (LoRA rank 8) in one session, B (another
+    seed) in another, their requests interleaved (A.fb, B.fb, A.optim, B.optim, ...), so the one
+    trainer swaps their states at every switch. Each one's losses equal (fp32, 1e-6) those of the
+    same client trained alone afterwards. B's session closes: B is freed (NotFoundError) and A
+    goes on training."""
+    import asyncio
+
+    from tinker._client import AsyncTinker
+
+    def data(text: str) -> list[types.Datum]:
+        return [_datum([ord(ch) % 50 + 3 for ch in t], weights=[1.0] * (len(t) - 1))
+                for t in (text, text[::-1] + "xy")]
+    da, db, dc = data("abcabcabd"), data("zyxwvu"), data("hello there")
+    steps = 3
+    la, lb, lc = [], [], []
+    adam = types.AdamParams(learning_rate=2e-2)
+    with tinker.ServiceClient() as s1:
+        a = s1.create_lora_training_client(base_model=_base(), rank=4, seed=11).result()
+        c = s1.create_lora_training_client(base_model=_base(), rank=8, seed=13).result()
+        with tinker.ServiceClient() as s2:
+            b = s2.create_lora_training_client(base_model=_base(), rank=4, seed=12).result()
+            for step in range(steps):
+                fa, fb = a.forward_backward(da, "cross_entropy"), b.forward_backward(
+                    db, "cross_entropy")
+                oa, ob = a.optim_step(adam), b.optim_step(adam)
+                if step == 1:               # another rank: a cluster restart to and fro
+                    lc += _train(c, dc, 1)
+                la.append(fa.result().metrics["loss:sum"])
+                lb.append(fb.result().metrics["loss:sum"])
+                oa.result(), ob.result()
+            freed = b.model_id
+
+        async def gone() -> None:
+            client = AsyncTinker(base_url=server)
+            with pytest.raises(tinker.NotFoundError, match="was freed"):
+                await client.models.get_info(request=types.GetInfoRequest(model_id=freed))
+            await client.close()
+        asyncio.run(gone())
+        la += _train(a, da, 1)
+    with tinker.ServiceClient() as alone:
+        for (rank, seed), d, losses in (((4, 11), da, la), ((4, 12), db, lb), ((8, 13), dc, lc)):
+            tc = alone.create_lora_training_client(base_model=_base(), rank=rank, seed=seed)
+            np.testing.assert_allclose(_train(tc.result(), d, len(losses)), losses, rtol=1e-6)
+    assert la[-1] < la[0] and lb[-1] < lb[0], (la, lb)
+
+
+def test_live_models_are_bounded_and_closing_a_session_frees_them(server: str):
+    """The `--max-models` bound (default 8): one client more is a BadRequestError naming the
+    option; closing the session frees its models, and a new client trains."""
+    seq = [3, 7, 9, 12, 5]
+    with tinker.ServiceClient() as service:
+        with pytest.raises(tinker.BadRequestError, match="at most 8 live.*--max-models"):
+            for _ in range(9):
+                service.create_lora_training_client(base_model=_base(), rank=4, seed=11).result()
+    with tinker.ServiceClient() as service:
+        tc = service.create_lora_training_client(base_model=_base(), rank=4, seed=11).result()
+        assert _train(tc, [_datum(seq, weights=[1.0] * 4)], 1)[0] > 0
