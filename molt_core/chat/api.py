@@ -302,16 +302,19 @@ def token_logprobs(r: Reply, tokens: list[str], top: int) -> list[dict]:
     return out
 
 
+def _call_id(prefix: str, raw: str, raw_args: dict[str, str]) -> str:
+    """A new tool call id; `raw_args` keeps the call's arguments as sampled under it."""
+    raw_args[cid := prefix + secrets.token_hex(8)] = raw
+    return cid
+
+
 def openai_response(r: Reply, content: str, calls: list, malformed: bool, model: str,
                     raw_args: dict[str, str], logprobs: list[dict] | None) -> dict:
     msg: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
     if calls:
-        msg["tool_calls"] = []
-        for name, raw, _ in calls:
-            cid = "call_" + secrets.token_hex(8)
-            raw_args[cid] = raw
-            msg["tool_calls"].append({"id": cid, "type": "function",
-                                      "function": {"name": name, "arguments": raw}})
+        msg["tool_calls"] = [{"id": _call_id("call_", raw, raw_args), "type": "function",
+                              "function": {"name": name, "arguments": raw}}
+                             for name, raw, _ in calls]
     finish = "length" if r.finish_reason == "length" else "tool_calls" if calls else "stop"
     return {"id": "chatcmpl-" + secrets.token_hex(8), "object": "chat.completion",
             "created": int(time.time()), "model": model, "molt": {"malformed_tool_call": malformed},
@@ -324,11 +327,9 @@ def openai_response(r: Reply, content: str, calls: list, malformed: bool, model:
 def anthropic_response(r: Reply, content: str, calls: list, malformed: bool, model: str,
                        raw_args: dict[str, str]) -> dict:
     blocks: list[dict] = [{"type": "text", "text": content}] if content or not calls else []
-    for name, raw, args in calls:
-        cid = "toolu_" + secrets.token_hex(8)
-        raw_args[cid] = raw
-        blocks.append({"type": "tool_use", "id": cid, "name": name,
-                       "input": args if isinstance(args, dict) else {"value": args}})
+    blocks += [{"type": "tool_use", "id": _call_id("toolu_", raw, raw_args), "name": name,
+                "input": args if isinstance(args, dict) else {"value": args}}
+               for name, raw, args in calls]
     stop = ("max_tokens" if r.finish_reason == "length" else "tool_use" if calls
             else "stop_sequence" if r.stop_sequence else "end_turn")
     return {"id": "msg_" + secrets.token_hex(8), "type": "message", "role": "assistant",
@@ -344,11 +345,9 @@ def responses_response(r: Reply, content: str, calls: list, malformed: bool, bod
         p = {"type": "output_text", "text": content, "annotations": [], "logprobs": logprobs or []}
         output.append({"type": "message", "id": "msg_" + secrets.token_hex(8), "status": "completed",
                        "role": "assistant", "content": [p]})
-    for name, raw, _ in calls:
-        cid = "call_" + secrets.token_hex(8)
-        raw_args[cid] = raw
-        output.append({"type": "function_call", "id": "fc_" + secrets.token_hex(8),
-                       "call_id": cid, "name": name, "arguments": raw, "status": "completed"})
+    output += [{"type": "function_call", "id": "fc_" + secrets.token_hex(8),
+                "call_id": _call_id("call_", raw, raw_args), "name": name, "arguments": raw,
+                "status": "completed"} for name, raw, _ in calls]
     incomplete = r.finish_reason == "length"
     return {"id": "resp_" + secrets.token_hex(8), "object": "response",
             "created_at": int(time.time()), "status": "incomplete" if incomplete else "completed",

@@ -150,10 +150,9 @@ class ChatSession:
         """Drop the last reply's tokens (the prompt before it stays)."""
         t, last = self.trajectory, self._last
         assert last is not None
-        for name in ("token_ids", "loss_mask", "logprobs", "versions"):
-            del getattr(t, name)[last.start:]
-        if t.routed_experts is not None:
-            del t.routed_experts[last.start:]
+        for name in ("token_ids", "loss_mask", "logprobs", "versions", "routed_experts"):
+            if getattr(t, name) is not None:
+                del getattr(t, name)[last.start:]
         t.truncated = last.truncated
         t.info["turn_spans"].pop()
         t.calls.pop()
@@ -452,11 +451,10 @@ class ChatServer:
             content, calls, malformed = (parse_tool_calls(reply.text) if tools
                                          else (reply.text, [], False))
             assert s._last is not None
+            s._last.malformed, s._last.calls = malformed, len(calls)
             if malformed:
-                s._last.malformed = True
                 info = s.trajectory.info
                 info["malformed_tool_calls"] = info.get("malformed_tool_calls", 0) + 1
-            s._last.calls = len(calls)
             s.tool_calls += len(calls)
             s._cache[key] = resp = self._response(api, s, body, reply, content, calls, malformed)
             msg: dict[str, Any] = {"role": "assistant", "content": content}
