@@ -78,8 +78,7 @@ class PolicyWorker:
         store = dist.TCPStore(master_addr, master_port, world_size, False, timeout=timeout)
         dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank,
                                 world_size=world_size, timeout=timeout)
-        # FSDP2 averages grads over the data-parallel ranks; the loss is scaled back by it.
-        self.grad_scale = world_size
+        self.grad_scale = world_size        # FSDP2 averages grads over ranks: see train_step
         model = self._build_model(model_path, _DTYPES[dtype])
         gate_params = {id(p) for g in moe.moe_gates(model) for p in g.parameters()}
         self.fp32_names = {n for n, p in model.named_parameters() if id(p) in gate_params}

@@ -59,7 +59,6 @@ class PooledGenerator(Generator):
         self.submit(load()).result()
 
     def start_pool(self, max_groups: int) -> None:
-        """Keep up to `max_groups` groups running or finished-and-waiting from now on."""
         async def start() -> None:
             self._pool_cap, self._pool_open = max_groups, True
             self._refill()
@@ -121,8 +120,7 @@ class PooledGenerator(Generator):
         return {"buffered": len(self._buffer), "inflight": len(self._inflight)}
 
     def hold_requests(self) -> None:
-        """Blocking: let every engine request already sent finish; new ones wait for
-        `release_requests` (a weight push in between then never splits a response)."""
+        """Blocking (`contracts.RolloutGenerator`); a push before the release splits no reply."""
         self.submit(self.client.hold()).result()
 
     def release_requests(self) -> None:
