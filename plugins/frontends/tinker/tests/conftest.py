@@ -48,13 +48,15 @@ def recipe(tiny_chars: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_recipe(tmp_path_factory.mktemp("tinker-recipe"), tiny_chars)
 
 
+API_KEY = "tml-local-test"
 SESSION_TIMEOUT_S = 15.0            # > the SDK's 10 s heartbeat; the expiry test outwaits it
 
 
 @contextlib.contextmanager
-def serve(recipe: Path) -> Iterator[str]:
-    """Run `molt serve-tinker RECIPE` on a free loopback port; yield its base URL with
-    TINKER_BASE_URL and a key set for the SDK; stop it after."""
+def serve(recipe: Path, default: bool = True) -> Iterator[str]:
+    """Run `molt serve-tinker RECIPE` on a free loopback port; yield its base URL (with
+    TINKER_BASE_URL and a key set for the SDK while it runs, if it is the `default` server);
+    stop it after."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(recipe.parent / "server.log", "w")
@@ -72,8 +74,9 @@ def serve(recipe: Path) -> Iterator[str]:
                 raise RuntimeError(f"molt serve-tinker exited: {(recipe.parent / 'server.log').read_text()[-3000:]}")
             time.sleep(0.5)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("TINKER_BASE_URL", url)
-            mp.setenv("TINKER_API_KEY", "tml-local-test")
+            if default:
+                mp.setenv("TINKER_BASE_URL", url)
+                mp.setenv("TINKER_API_KEY", API_KEY)
             yield url
     finally:
         proc.terminate()
@@ -108,7 +111,9 @@ def bpe_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def bpe_server(bpe_root: Path) -> Iterator[str]:
     """A second server on a tiny byte-level-BPE Qwen3 (any text, newlines and capitals included,
-    and Qwen3's special tokens): the model the cookbook's `qwen3` renderer tokenises for."""
+    and Qwen3's special tokens): the model the cookbook's `qwen3` renderer tokenises for. It
+    is not the session's default server: a test that uses it points TINKER_BASE_URL at it
+    itself (`monkeypatch`), so the tests after it still reach `server`."""
     model = build_tiny_model(bpe_root / "bpe", "qwen3")
-    with serve(write_recipe(bpe_root, model)) as url:
+    with serve(write_recipe(bpe_root, model), default=False) as url:
         yield url

@@ -23,24 +23,27 @@ CONVERSATIONS = [(q, "Sure, here you go.") for q in
                  ("What is 2+2?", "Say hi.", "Spell cat.", "Count to 3.", "Name a colour.", "Up?")]
 
 
-def _base() -> str:
-    return tinker.RestClient().get_server_capabilities().result().supported_models[0].model_name
+def _base(url: str) -> str:
+    # the URL given: the SDK keeps an env-derived REST client for the process (test_tinker's _base)
+    return tinker.RestClient(base_url=url).get_server_capabilities().result().supported_models[0].model_name
 
 
 def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.skip(reason="its bpe_server fixture leaves TINKER_BASE_URL on the BPE server for the session, so test_tinker.py after it asked the wrong server (6 failures in the full suite); give the second server no default URL, then re-enable")
 def test_cookbook_supervised_train_main_lowers_the_nll(bpe_server: str, bpe_root: Path,
-                                                       tmp_path: Path):
+                                                       tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch):
     """The cookbook's SL trainer end to end: it creates the LoRA client, renders the file with
     the qwen3 renderer (weights on the assistant turns), runs forward_backward(cross_entropy) +
     optim_step per batch, evaluates a held-out split, writes metrics.jsonl and saves the final
     state and sampler weights through the server; train_mean_nll falls. On the server's side the
     training client got a Molt run directory whose metrics.jsonl has a row per optim_step, and
     `molt report` plots it."""
-    base = _base()
+    monkeypatch.setenv("TINKER_BASE_URL", bpe_server)     # for this test only (see conftest)
+    monkeypatch.setenv("TINKER_API_KEY", "tml-local-test")
+    base = _base(bpe_server)
     data = tmp_path / "conversations.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
                                                      {"role": "assistant", "content": a}]}) + "\n"

@@ -4,6 +4,7 @@ requests."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -38,7 +39,10 @@ def test_health_capabilities_and_a_session(server: str):
 
 
 def _base() -> str:
-    return tinker.RestClient().get_server_capabilities().result().supported_models[0].model_name
+    # the URL given, not left to the env: the SDK keeps one REST client per (URL argument, key)
+    # for the process, so an env-derived one made while another server was the default sticks
+    url = os.environ["TINKER_BASE_URL"]
+    return tinker.RestClient(base_url=url).get_server_capabilities().result().supported_models[0].model_name
 
 
 def _datum(tokens: list[int], **per_target: list[float]) -> types.Datum:
