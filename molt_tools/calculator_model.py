@@ -112,7 +112,7 @@ def sft_model(model_dir: str | Path, out_dir: str | Path, rows: list[dict], *, s
         f"sft.batch_size={batch_size or len(rows)}", "sft.eval_fraction=0", f"trainer.lr={lr}",
         f"trainer.lr_schedule={schedule}", "trainer.lora.rank=0", "trainer.save_every=0",
         "agent.args={env: addition}",            # not used: molt sft runs no agent
-        "ray.embedded=on", "trainer.cpus_per_rank=1",     # one thread suits a tiny model
+        "ray.embedded=on", "ray.num_cpus=1",     # in the driver (no Ray), one thread: a tiny model
         f"trainer.micro_batch_size={batch_size or len(rows)}", "log.sinks=[]"])
     (out / "run").mkdir(exist_ok=True)
     history = sft(cfg, plugins, out / "run", progress=False)
